@@ -1,0 +1,31 @@
+"""asyncdist: an async-first, context-managed API over ``torch.distributed``."""
+
+from ._handle import Handle as Handle
+from ._handle import wait_all as wait_all
+from ._session import DistSession as DistSession
+from ._spawn import spawn as spawn
+from ._version import __version__ as __version__
+from .errors import AsyncDistError as AsyncDistError
+from .errors import CollectiveError as CollectiveError
+from .errors import CollectiveMismatch as CollectiveMismatch
+from .errors import CollectiveTimeout as CollectiveTimeout
+from .errors import InitError as InitError
+from .errors import PeerFailure as PeerFailure
+from .errors import SessionBroken as SessionBroken
+from .errors import SessionClosed as SessionClosed
+
+__all__ = [
+    "AsyncDistError",
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "DistSession",
+    "Handle",
+    "InitError",
+    "PeerFailure",
+    "SessionBroken",
+    "SessionClosed",
+    "__version__",
+    "spawn",
+    "wait_all",
+]

@@ -1,0 +1,187 @@
+"""Launch-environment detection: who am I, how many are we, where is the master.
+
+Precedence, field by field: explicit arguments > torchrun (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) > SLURM
+(``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, master from the node
+list) > a single-process world on 127.0.0.1 with a port the OS picks.
+
+Nothing here writes to ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import InitError
+
+Launcher = Literal["explicit", "torchrun", "slurm", "local"]
+
+LOOPBACK = "127.0.0.1"
+
+# SLURM gives no port; derive one from the job id inside this range so that two
+# jobs sharing a node rarely collide.  MASTER_PORT, when set, wins.
+_SLURM_PORT_BASE = 20000
+_SLURM_PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job.
+
+    ``master_port`` is ``None`` when the store should listen on a port the OS
+    picks (the local default and :func:`asyncdist.spawn`'s parent).
+    ``agent_store`` is true when a launcher agent (torchrun, ``spawn``) already
+    hosts the store, so rank 0 connects to it instead of hosting one.
+    ``attempt`` counts torchrun restarts; it keeps each attempt's keys apart in
+    the agent's store, which outlives the workers.
+    """
+
+    launcher: Launcher
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int | None
+    agent_store: bool = False
+    attempt: int = 0
+
+
+def _int(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InitError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Return the first host of a SLURM node list.
+
+    ``"gpu[007-010,12],cpu1"`` -> ``"gpu007"``; ``"node1,node2"`` -> ``"node1"``.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise InitError("SLURM node list is empty; set MASTER_ADDR")
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist)
+    assert match is not None  # the pattern matches every string
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _slurm_port(environ: Mapping[str, str]) -> int | None:
+    job_id = _int(environ, "SLURM_JOB_ID")
+    if job_id is None:
+        return None
+    return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
+
+
+def detect(
+    environ: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> LaunchEnv:
+    """Work out this process's place in the job from arguments and environment.
+
+    Raises:
+        InitError: the environment is inconsistent (rank outside the world,
+            a multi-process world without a master port, a non-integer value).
+    """
+    env = os.environ if environ is None else environ
+    launcher: Launcher
+    addr = env.get("MASTER_ADDR") or None
+    port = _int(env, "MASTER_PORT")
+    agent_store = False
+    attempt = 0
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun"
+        env_rank, env_world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        env_local = _int(env, "LOCAL_RANK")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        attempt = _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher = "slurm"
+        env_rank, env_world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        env_local = _int(env, "SLURM_LOCALID")
+        if addr is None:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+            addr = first_slurm_host(nodelist)
+        if port is None:
+            port = _slurm_port(env)
+    else:
+        launcher = "local"
+        env_rank, env_world, env_local = 0, 1, 0
+
+    if rank is not None or world_size is not None:
+        launcher = "explicit" if launcher == "local" else launcher
+    final_rank = rank if rank is not None else env_rank
+    final_world = world_size if world_size is not None else env_world
+    if final_rank is None or final_world is None:
+        raise InitError(f"{launcher} environment lacks a rank or world size")
+    if final_world < 1:
+        raise InitError(f"world_size must be at least 1, got {final_world}")
+    if not 0 <= final_rank < final_world:
+        raise InitError(f"rank {final_rank} is outside a world of size {final_world}")
+    if local_rank is None:
+        local_rank = env_local if env_local is not None else final_rank
+    final_addr = master_addr or addr or LOOPBACK
+    final_port = master_port if master_port is not None else port
+    if final_port is None and final_world > 1:
+        raise InitError(
+            f"a world of {final_world} processes needs a master port: pass master_port= "
+            "or set MASTER_PORT (torchrun and asyncdist.spawn set it for you)"
+        )
+    if final_port is not None and not 0 < final_port < 65536:
+        raise InitError(f"master port {final_port} is outside 1..65535")
+    return LaunchEnv(
+        launcher=launcher,
+        rank=final_rank,
+        world_size=final_world,
+        local_rank=local_rank,
+        master_addr=final_addr,
+        master_port=final_port,
+        agent_store=agent_store,
+        attempt=attempt,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_loopback(host: str = LOOPBACK, port: int = 0) -> socket.socket:
+    """A listening TCP socket on a loopback address (port 0: the OS picks one).
+
+    Binding it here, rather than letting ``TCPStore`` bind, keeps the store off
+    every other interface (TCPStore binds ``::``) and makes the port race-free.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock

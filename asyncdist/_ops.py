@@ -1,0 +1,159 @@
+"""Argument checks and reduce-op mapping, done on the calling rank before launch.
+
+Everything here is pure: it inspects arguments and raises ``TypeError`` or
+``ValueError`` with a message naming the collective, and never touches the
+process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+import torch.distributed as dist
+
+ReduceOpLike: TypeAlias = "str | dist.ReduceOp | dist.ReduceOp.RedOpType"
+
+_BY_NAME = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.AVG,
+    "avg": dist.ReduceOp.AVG,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+    "prod": dist.ReduceOp.PRODUCT,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+_NAME_OF = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "mean",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.PRODUCT: "product",
+    dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
+}
+_BITWISE = frozenset({"band", "bor", "bxor"})
+_ORDERED = frozenset({"min", "max"})
+
+# What gloo can carry; anything else fails inside gloo with "Invalid scalar type".
+GLOO_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """How to run a reduction: the op sent to the backend, and whether the
+    result is divided by the group size afterwards ("mean" without a trusted
+    native AVG)."""
+
+    name: str
+    wire_op: Any
+    divide: bool
+
+
+def _is_integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def reduction(op: Any, dtype: torch.dtype, *, backend: str, collective: str) -> Reduction:
+    """Resolve ``op`` for a tensor of ``dtype`` on ``backend``.
+
+    Raises:
+        TypeError: ``op`` is neither a string nor a ``torch.distributed.ReduceOp``.
+        ValueError: an unknown name, or an op the dtype cannot do ("mean" on
+            integers, "min"/"max"/"product" on complex, bitwise ops on floats).
+    """
+    if isinstance(op, str):
+        key = op.lower()
+        if key not in _BY_NAME:
+            known = ", ".join(repr(k) for k in ("sum", "mean", "min", "max", "product"))
+            raise ValueError(f"{collective}: unknown reduce op {op!r}; use one of {known}")
+        name = _NAME_OF[_BY_NAME[key]]
+    elif isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        name = next((n for o, n in _NAME_OF.items() if op == o), "")
+        if not name:
+            raise ValueError(f"{collective}: reduce op {op} is not supported")
+    else:
+        raise TypeError(
+            f"{collective}: op must be a string or torch.distributed.ReduceOp, "
+            f"not {type(op).__name__}"
+        )
+    if name == "mean" and _is_integral(dtype):
+        raise ValueError(
+            f"{collective}: 'mean' of a {dtype} tensor would truncate; "
+            "convert to a floating dtype first, or use 'sum'"
+        )
+    if dtype.is_complex and name != "sum" and name != "mean":
+        raise ValueError(f"{collective}: {name!r} is not defined for complex dtype {dtype}")
+    if name in _BITWISE and not _is_integral(dtype):
+        raise ValueError(f"{collective}: {name!r} needs an integer or bool tensor, got {dtype}")
+    if name == "mean" and backend != "nccl":
+        # gloo's AVG has an open silent-correctness report upstream: sum, then divide.
+        return Reduction(name, dist.ReduceOp.SUM, divide=True)
+    return Reduction(name, _BY_NAME[name], divide=False)
+
+
+def check_tensor(
+    tensor: Any, *, collective: str, backend: str, device: torch.device, what: str = "tensor"
+) -> torch.Tensor:
+    """Return ``tensor`` if a collective on ``backend`` can take it.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: sparse, non-contiguous, a dtype the backend cannot carry,
+            or on a device this session's backend cannot use.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{collective}: {what} must be a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise ValueError(f"{collective}: {what} is sparse; pass a dense tensor")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{collective}: {what} is not contiguous; call .contiguous() and reduce that "
+            "(a collective on a strided view would not write back in place)"
+        )
+    if backend == "gloo":
+        if tensor.dtype not in GLOO_DTYPES:
+            raise ValueError(f"{collective}: gloo cannot carry dtype {tensor.dtype}")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{collective}: gloo takes CPU or CUDA tensors, not {tensor.device}")
+    elif tensor.device.type != device.type:
+        raise ValueError(
+            f"{collective}: {what} is on {tensor.device} but this {backend} session "
+            f"works on {device}; move it with .to({str(device)!r})"
+        )
+    return tensor
+
+
+def check_rank(value: Any, *, world_size: int, collective: str, what: str) -> int:
+    """Return ``value`` if it names a rank of a world of ``world_size``.
+
+    Raises:
+        TypeError: not an ``int``.
+        ValueError: outside ``0 .. world_size - 1``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{collective}: {what} must be an int rank, not {type(value).__name__}")
+    if not 0 <= value < world_size:
+        raise ValueError(
+            f"{collective}: {what}={value} is outside this group's ranks 0..{world_size - 1}"
+        )
+    return value

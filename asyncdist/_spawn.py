@@ -1,0 +1,225 @@
+"""spawn: run a function on N local ranks, each inside its own DistSession.
+
+The parent plays torchrun's agent: it hosts the rendezvous store on a
+loopback socket with a port from the OS, starts the ranks with the ``spawn``
+start method (forking a process that holds torch threads is unsafe), gives
+each the torchrun environment, collects results over pipes, and kills and
+reaps every child before it returns, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._store import host_loopback_store
+from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken
+
+# After the first rank fails, the others get this long to fail or finish on
+# their own (they usually see PeerFailure at once) before they are killed.
+FAILURE_GRACE = 10.0
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this child if the parent dies (no orphans)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _child(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    port: int,
+    session_options: dict[str, Any],
+    async_backend: str,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    _die_with_parent()
+    # The environment torchrun gives its workers; this process is ours alone.
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import anyio
+    import torch
+
+    from ._session import DistSession
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        if inspect.iscoroutinefunction(fn):
+
+            async def main() -> Any:
+                async with DistSession(**session_options) as session:
+                    return await fn(session, *args)
+
+            result = anyio.run(main, backend=async_backend)
+        else:
+            with DistSession(**session_options) as session:
+                result = fn(session, *args)
+        message: tuple[Any, ...] = ("ok", result)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        message = ("error", exc, traceback.format_exc())
+    try:
+        conn.send(message)
+    except Exception as exc:  # an unpicklable result or exception
+        conn.send(("error", AsyncDistError(f"rank {rank}: {exc}"), traceback.format_exc()))
+    conn.close()
+
+
+def _kill_and_reap(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join()
+        proc.close()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    backend: str | None = "gloo",
+    timeout: float | None = 60.0,
+    device: str | None = None,
+    debug: bool = False,
+    async_backend: str = "asyncio",
+    join_timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(session, *args)`` on ``world_size`` local ranks and return their results.
+
+    Each rank is a fresh process with its own :class:`DistSession` (on gloo
+    by default). ``fn`` may be ``async def``; it then runs under
+    ``async_backend`` (``"asyncio"`` or ``"trio"``). ``fn``, ``args`` and the
+    results must be picklable; ``fn`` must be importable (module level).
+
+    Args:
+        timeout: the sessions' timeout (seconds).
+        join_timeout: wall-clock bound for the whole run; ``None``: none.
+
+    Returns:
+        The ranks' return values, indexed by rank.
+
+    Raises:
+        The first failing rank's exception, with a note naming the rank and
+        its traceback; ``PeerFailure`` if a rank died without reporting;
+        ``TimeoutError`` if ``join_timeout`` passed. No child outlives the call.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    options = {"backend": backend, "timeout": timeout, "device": device, "debug": debug}
+    store = host_loopback_store(world_size, timeout or 300.0)
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[multiprocessing.process.BaseProcess] = []
+    conns: dict[int, multiprocessing.connection.Connection] = {}
+    try:
+        for rank in range(world_size):
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child,
+                args=(fn, tuple(args), rank, world_size, store.port, options, async_backend, sender),
+                name=f"asyncdist-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            sender.close()
+            procs.append(proc)
+            conns[rank] = receiver
+        return _collect(procs, conns, join_timeout)
+    finally:
+        _kill_and_reap(procs)
+        for conn in conns.values():
+            conn.close()
+        del store
+
+
+def _is_consequence(error: BaseException) -> bool:
+    """Errors a rank sees *because* another rank failed first."""
+    return isinstance(error, (CollectiveError, SessionBroken))
+
+
+def _collect(
+    procs: Sequence[multiprocessing.process.BaseProcess],
+    conns: dict[int, multiprocessing.connection.Connection],
+    join_timeout: float | None,
+) -> list[Any]:
+    """Gather every rank's message; on failure, the root cause.
+
+    The rank that fails first is not always the first to *report*: its peers
+    see ``PeerFailure`` as soon as it leaves its session.  So once a rank
+    fails, the others get ``FAILURE_GRACE`` seconds to report, and the
+    earliest error that is not such a consequence wins.
+    """
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    pending = dict(conns)
+    deadline = None if join_timeout is None else time.monotonic() + join_timeout
+    while pending:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            if errors:
+                break
+            raise TimeoutError(
+                f"spawn: ranks {sorted(pending)} did not finish within {join_timeout:g} s"
+            )
+        wait_for: list[Any] = list(pending.values())
+        wait_for += [procs[rank].sentinel for rank in pending]
+        ready = multiprocessing.connection.wait(
+            wait_for, None if deadline is None else deadline - now
+        )
+        for rank, conn in list(pending.items()):
+            sentinel_ready = procs[rank].sentinel in ready
+            if conn not in ready and not sentinel_ready:
+                continue
+            message = None
+            if conn.poll():
+                with contextlib.suppress(EOFError):
+                    message = conn.recv()
+            elif not sentinel_ready:
+                continue
+            del pending[rank]
+            if message is None:
+                procs[rank].join()
+                error: BaseException = PeerFailure(
+                    f"rank {rank} exited with code {procs[rank].exitcode} without "
+                    "returning a result",
+                    op="spawn",
+                    rank=rank,
+                )
+            elif message[0] == "ok":
+                results[rank] = message[1]
+                continue
+            else:
+                error = message[1]
+                error.add_note(f"raised on rank {rank} of {len(procs)}; its traceback:")
+                error.add_note(message[2].rstrip())
+            if not errors:
+                grace = time.monotonic() + FAILURE_GRACE
+                deadline = grace if deadline is None else min(deadline, grace)
+            errors.append(error)
+    if errors:
+        raise next((e for e in errors if not _is_consequence(e)), errors[0])
+    return [results[rank] for rank in range(len(procs))]

@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from asyncdist._env import bind_loopback, detect, first_slurm_host, is_loopback
+from asyncdist.errors import InitError
+
+
+def test_local_default_is_one_process_on_loopback() -> None:
+    env = detect({})
+    assert env.launcher == "local"
+    assert (env.rank, env.world_size, env.local_rank) == (0, 1, 0)
+    assert env.master_addr == "127.0.0.1"
+    assert env.master_port is None, "the local default takes its port from the OS"
+
+
+def test_torchrun_environment() -> None:
+    env = detect(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29400",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+        }
+    )
+    assert env.launcher == "torchrun"
+    assert (env.rank, env.world_size, env.local_rank) == (5, 8, 1)
+    assert (env.master_addr, env.master_port) == ("node0", 29400)
+    assert env.agent_store
+    assert env.attempt == 2
+
+
+SLURM = {
+    "SLURM_PROCID": "6",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "2",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_NODELIST": "gpu[007-008,012],cpu1",
+}
+
+
+def test_slurm_environment_uses_global_procid() -> None:
+    env = detect(SLURM)
+    assert env.launcher == "slurm"
+    assert env.rank == 6, "the global rank is SLURM_PROCID, not SLURM_LOCALID"
+    assert env.local_rank == 2
+    assert env.world_size == 8
+    assert env.master_addr == "gpu007"
+    assert env.master_port is not None
+    assert 1024 < env.master_port < 65536
+    assert detect(SLURM).master_port == env.master_port, "every rank derives the same port"
+
+
+def test_slurm_master_port_and_addr_from_environment_win() -> None:
+    env = detect({**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "31000"})
+    assert (env.master_addr, env.master_port) == ("head", 31000)
+
+
+def test_torchrun_wins_over_slurm() -> None:
+    env = detect({**SLURM, "RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234"})
+    assert env.launcher == "torchrun"
+    assert (env.rank, env.world_size) == (1, 2)
+
+
+def test_explicit_arguments_win() -> None:
+    env = detect(SLURM, rank=1, world_size=4, master_addr="10.0.0.1", master_port=999)
+    assert (env.rank, env.world_size) == (1, 4)
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 999)
+    explicit = detect({}, rank=0, world_size=2, master_port=1234)
+    assert explicit.launcher == "explicit"
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("node1", "node1"),
+        ("node1,node2", "node1"),
+        ("gpu[007-010,12]", "gpu007"),
+        ("gpu[3,5-6],cpu[1-2]", "gpu3"),
+        ("a-b-c[10-11]", "a-b-c10"),
+    ],
+)
+def test_first_slurm_host(nodelist: str, first: str) -> None:
+    assert first_slurm_host(nodelist) == first
+
+
+@pytest.mark.parametrize(
+    ("environ", "kwargs", "match"),
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, {}, "outside"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, {}, "not an integer"),
+        ({}, {"world_size": 2, "rank": 0}, "master port"),
+        ({}, {"world_size": 0}, "at least 1"),
+        ({}, {"world_size": 2, "rank": 0, "master_port": 70000}, "outside 1..65535"),
+    ],
+)
+def test_inconsistent_environment_raises(
+    environ: dict[str, str], kwargs: dict[str, int], match: str
+) -> None:
+    with pytest.raises(InitError, match=match):
+        detect(environ, **kwargs)
+
+
+def test_bind_loopback_listens_on_loopback_only() -> None:
+    sock = bind_loopback()
+    try:
+        host, port = sock.getsockname()[:2]
+        assert host == "127.0.0.1"
+        assert port > 0
+        with socket.create_connection((host, port), timeout=2):
+            pass
+    finally:
+        sock.close()
+
+
+def test_is_loopback() -> None:
+    assert is_loopback("127.0.0.1")
+    assert is_loopback("127.1.2.3")
+    assert is_loopback("::1")
+    assert is_loopback("localhost")
+    assert not is_loopback("0.0.0.0")
+    assert not is_loopback("node0")
