@@ -10,11 +10,12 @@ Nothing here writes to ``os.environ``.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -140,6 +141,10 @@ def detect(
         local_rank = env_local if env_local is not None else final_rank
     final_addr = master_addr or addr or LOOPBACK
     final_port = master_port if master_port is not None else port
+    if (master_addr is not None and master_addr != addr) or (
+        master_port is not None and master_port != port
+    ):
+        agent_store = False  # an explicit master is not the launcher agent's store
     if final_port is None and final_world > 1:
         raise InitError(
             f"a world of {final_world} processes needs a master port: pass master_port= "
@@ -185,3 +190,28 @@ def bind_loopback(host: str = LOOPBACK, port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+@contextlib.contextmanager
+def gloo_on_loopback(active: bool) -> Iterator[None]:
+    """While active, gloo groups created in this block listen on loopback only.
+
+    gloo binds the address the host name resolves to (often a public one)
+    unless ``GLOO_SOCKET_IFNAME`` names an interface; it reads the variable
+    when a group is created. A world confined to this machine sets it for the
+    creation only, and never overrides a value the user chose.
+    """
+    name = _loopback_interface() if active and "GLOO_SOCKET_IFNAME" not in os.environ else None
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)

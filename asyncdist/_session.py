@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops
-from ._env import LaunchEnv, detect
+from ._env import LaunchEnv, detect, gloo_on_loopback, is_loopback
 from ._handle import Completer, Handle, Health
 from ._store import session_store
 from .errors import AsyncDistError, InitError, SessionBroken, SessionClosed, translate
@@ -158,6 +158,7 @@ class DistSession:
         self._health = Health(rank=0, timeout=self._timeout)
         self._completer: Completer | None = None
         self._outstanding: collections.deque[Handle[Any]] = collections.deque()
+        self._loopback = False  # the world is confined to this machine's loopback
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
 
@@ -303,18 +304,22 @@ class DistSession:
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=self._timeout)
         store = None
+        self._loopback = self._init_method is None and (
+            env.master_port is None or is_loopback(env.master_addr)
+        )
         try:
             if self._init_method is None:
                 store, self._owned_store = session_store(env, self._timeout)
-            dist.init_process_group(
-                backend,
-                init_method=self._init_method,
-                store=store,
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-                device_id=device if backend == "nccl" else None,
-            )
+            with gloo_on_loopback(self._loopback and backend == "gloo"):
+                dist.init_process_group(
+                    backend,
+                    init_method=self._init_method,
+                    store=store,
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=timeout,
+                    device_id=device if backend == "nccl" else None,
+                )
         except InitError:
             self._owned_store = None
             raise
@@ -413,11 +418,12 @@ class DistSession:
         mine = self._rank // group_size
         own_group: Any = None
         base = [dist.get_global_rank(self._group, r) for r in range(self._world_size)]
-        for block in range(self._world_size // group_size):
-            ranks = base[block * group_size : (block + 1) * group_size]
-            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self._timeout))
-            if block == mine:
-                own_group = group
+        with gloo_on_loopback(self._loopback and self._backend == "gloo"):
+            for block in range(self._world_size // group_size):
+                ranks = base[block * group_size : (block + 1) * group_size]
+                group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self._timeout))
+                if block == mine:
+                    own_group = group
         sub = DistSession(self._backend, timeout=self._timeout, device=self._device, debug=self._debug)
         sub._parent = self
         sub._state = State.OPEN
@@ -426,6 +432,7 @@ class DistSession:
         sub._world_size = group_size
         sub._local_rank = self._local_rank
         sub._backend, sub._device = self._backend, self._device
+        sub._loopback = self._loopback
         sub._health = self._health  # a fault anywhere breaks the whole job
         sub._completer = Completer(f"asyncdist-completer-r{self._rank}-split{group_size}")
         self._children.append(sub)

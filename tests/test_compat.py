@@ -1,0 +1,154 @@
+"""asyncdist.compat: the seed helper's API, with its bugs fixed."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncdist import DistSession, Handle, SessionClosed, compat, spawn
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _finalized() -> Any:
+    yield
+    compat.dist_finalize()
+
+
+def test_rank_and_world_size_outside_any_group() -> None:
+    assert not dist.is_initialized()
+    assert compat.get_rank() == 0
+    assert compat.get_world_size() == 1
+
+
+def test_error_wrapper_returns_default_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    def boom(x: int) -> int:
+        raise ValueError(x)
+
+    with caplog.at_level(logging.DEBUG, logger="asyncdist.compat"):
+        assert compat.error_wrapper(boom, -1)(3) == -1
+    assert "boom" in caplog.text
+    assert compat.error_wrapper(lambda x: x + 1, -1)(3) == 4
+    assert compat.error_wrapper(boom, None).__name__ == "boom"
+
+
+def test_dist_init_without_cuda_and_finalize() -> None:
+    rank, world_size = compat.dist_init("nccl" if not torch.cuda.is_available() else "gloo")
+    assert (rank, world_size) == (0, 1)
+    assert dist.is_initialized()
+    assert dist.get_backend() == "gloo"
+    with pytest.raises(RuntimeError, match="already initialised"):
+        compat.dist_init()
+    compat.dist_finalize()
+    assert not dist.is_initialized()
+    compat.dist_finalize()  # idempotent
+
+
+def test_broadcast_and_allreduce_sync_and_async() -> None:
+    compat.dist_init()
+    t = torch.ones(3)
+    assert compat.allreduce(t) is None
+    handle = compat.allreduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    assert isinstance(handle, Handle)
+    assert handle.wait() is t
+    assert compat.broadcast(t, 0) is None
+    assert isinstance(compat.broadcast(t, 0, async_op=True), Handle)
+
+
+def test_collectives_without_a_group_fail_clearly() -> None:
+    with pytest.raises(SessionClosed, match="dist_init"):
+        compat.allreduce(torch.ones(1))
+
+
+def test_collectives_on_a_default_group_made_elsewhere() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        compat.allreduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        compat.dist_finalize()
+    assert not dist.is_initialized()
+
+
+def test_dist_mode_keeps_return_value_and_finalizes_on_error() -> None:
+    @compat.dist_mode
+    def work(x: int) -> tuple[int, int]:
+        assert dist.is_initialized()
+        return x, compat.get_world_size()
+
+    assert work(5) == (5, 1)
+    assert not dist.is_initialized()
+
+    @compat.dist_mode
+    def fails() -> None:
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        fails()
+    assert not dist.is_initialized()
+    assert work.__name__ == "work"
+
+
+def test_dist_mode_on_async_functions() -> None:
+    @compat.dist_mode
+    async def work() -> float:
+        await anyio.sleep(0)
+        handle = compat.allreduce(torch.ones(1), async_op=True)
+        assert handle is not None
+        return float((await handle)[0])
+
+    assert anyio.run(work) == 1.0
+    assert not dist.is_initialized()
+
+
+def _compat_ranks(session: DistSession) -> dict[str, Any]:
+    # the session spawn opened is adopted by compat
+    out: dict[str, Any] = {"rank": compat.get_rank(), "world": compat.get_world_size()}
+    t = torch.arange(2, dtype=torch.int64) + 1 + 2 * compat.get_rank()
+    compat.allreduce(t)
+    out["seed_example"] = t.tolist()
+    group = compat.get_group(2)
+    g = torch.tensor([float(compat.get_rank())])
+    compat.allreduce(g, group=group)
+    out["group_sum"] = g.item()
+    b = torch.tensor([float(compat.get_rank())])
+    first_of_block = compat.get_rank() // 2 * 2 + 1
+    compat.broadcast(b, first_of_block, group=group)
+    out["group_bcast"] = b.item()
+    with pytest.raises(ValueError, match="divide"):
+        compat.get_group(3)
+    return out
+
+
+def test_multi_rank_compat_and_get_group() -> None:
+    results = spawn(_compat_ranks, 4, timeout=20)
+    for rank, out in enumerate(results):
+        assert out["rank"] == rank
+        assert out["world"] == 4
+        assert out["seed_example"] == [16, 20]  # 1+3+5+7, 2+4+6+8
+        assert out["group_sum"] == (1.0 if rank < 2 else 5.0)
+        assert out["group_bcast"] == (1.0 if rank < 2 else 3.0)
+
+
+def _dist_init_explicit(session: DistSession, port: int) -> tuple[int, int]:
+    session.close()  # leave spawn's group; dist_init makes its own
+    try:
+        return compat.dist_init("gloo", "127.0.0.1", str(port), session.rank, 2)
+    finally:
+        compat.dist_finalize()
+
+
+def test_dist_init_with_explicit_address() -> None:
+    from asyncdist._env import bind_loopback
+
+    sock = bind_loopback()
+    port = sock.getsockname()[1]
+    sock.close()
+    assert spawn(_dist_init_explicit, 2, args=(port,), timeout=20) == [(0, 2), (1, 2)]

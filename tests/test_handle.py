@@ -1,0 +1,165 @@
+"""Handle semantics: eager launch, awaiting, waiting, cancellation, wait_all."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+
+from asyncdist import DistSession, Handle, spawn, wait_all
+
+pytestmark = pytest.mark.timeout(60)
+
+LATE = 1.0  # seconds the late rank waits before joining a collective
+
+
+def test_no_public_constructor() -> None:
+    with pytest.raises(TypeError, match="no public constructor"):
+        Handle()
+
+
+def test_result_wait_and_repr() -> None:
+    with DistSession() as s:
+        t = torch.ones(3)
+        h = s.allreduce(t)
+        assert h.wait() is t
+        assert h.wait() is t, "waiting twice is fine"
+        assert h.done()
+        assert h.exception() is None
+        assert repr(h) == "<Handle allreduce done>"
+        assert h.op == "allreduce"
+
+
+@pytest.mark.anyio
+async def test_await_twice_then_wait() -> None:
+    async with DistSession() as s:
+        t = torch.ones(3)
+        h = s.allreduce(t)
+        assert await h is t
+        assert await h is t
+        assert h.wait() is t
+
+
+@pytest.mark.anyio
+async def test_completed_handle_returns_without_a_checkpoint() -> None:
+    async with DistSession() as s:
+        h = s.broadcast(torch.ones(2))
+        h.wait()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            # A cancelled scope would raise at any checkpoint; a done handle has none.
+            result = await h
+        assert not scope.cancelled_caught
+        assert torch.equal(result, torch.ones(2))
+
+
+@pytest.mark.anyio
+async def test_wait_all_results_in_order() -> None:
+    async with DistSession() as s:
+        tensors = [torch.full((2,), float(i)) for i in range(5)]
+        handles = [s.allreduce(t) for t in tensors]
+        assert await wait_all(handles) == tensors
+        assert wait_all(handles).wait() == tensors
+        assert wait_all([]).wait() == []
+    with pytest.raises(TypeError, match="Handles"):
+        wait_all([1])  # type: ignore[list-item]
+
+
+# -- two ranks, one of them late -------------------------------------------------
+
+
+def _eager(session: DistSession) -> float:
+    """The handle completes although nobody awaits it."""
+    if session.rank == 1:
+        time.sleep(LATE)
+    t = torch.full((4,), float(session.rank + 1))
+    h = session.allreduce(t)
+    deadline = time.monotonic() + 20
+    while not h.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert torch.equal(t, torch.full((4,), 3.0)), "values final once done"
+    return float(t[0])
+
+
+def test_eager_launch_completes_without_waiting() -> None:
+    assert spawn(_eager, 2, timeout=20) == [3.0, 3.0]
+
+
+def _wait_timeout(session: DistSession) -> bool:
+    if session.rank == 1:
+        time.sleep(LATE)
+    t = torch.ones(4)
+    h = session.allreduce(t)
+    if session.rank == 0:
+        with pytest.raises(TimeoutError):
+            h.wait(timeout=0.1)
+        assert not h.done()
+    h.wait()
+    return torch.equal(t, torch.full((4,), 2.0))
+
+
+def test_wait_timeout_leaves_handle_valid() -> None:
+    assert spawn(_wait_timeout, 2, timeout=20) == [True, True]
+
+
+async def _cancel_then_await(session: DistSession) -> dict[str, object]:
+    if session.rank == 1:
+        await anyio.sleep(LATE)
+    t = torch.full((8,), float(session.rank))
+    h = session.allreduce(t, op="sum")
+    report: dict[str, object] = {}
+    if session.rank == 0:
+        with anyio.move_on_after(0.2) as scope:
+            await h
+        report["cancelled"] = scope.cancelled_caught
+        report["done_after_cancel"] = h.done()
+    result = await h
+    report["value"] = result.tolist()
+    return report
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancelling_the_wait_never_cancels_the_collective(backend: str) -> None:
+    rank0, rank1 = spawn(_cancel_then_await, 2, timeout=20, async_backend=backend)
+    assert rank0["cancelled"] is True
+    assert rank0["done_after_cancel"] is False
+    assert rank0["value"] == [1.0] * 8
+    assert rank1["value"] == [1.0] * 8
+
+
+async def _loop_stays_free(session: DistSession) -> dict[str, int]:
+    """While rank 0 awaits 300 handles of a late peer, its loop keeps running
+    other tasks and no thread is started per handle."""
+    if session.rank == 1:
+        await anyio.sleep(LATE)
+    ticks = 0
+    threads_before = threading.active_count()
+    tensors = [torch.full((16,), float(i)) for i in range(300)]
+    handles = [session.allreduce(t) for t in tensors]
+    threads_during = threading.active_count()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        # awaited in reverse order: completion order does not matter
+        results = [await h for h in reversed(handles)]
+        tg.cancel_scope.cancel()
+    results.reverse()
+    assert all(torch.equal(r, torch.full((16,), 2.0 * i)) for i, r in enumerate(results))
+    return {"ticks": ticks, "extra_threads": threads_during - threads_before}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_awaiting_never_blocks_the_loop_nor_parks_threads(backend: str) -> None:
+    rank0, _ = spawn(_loop_stays_free, 2, timeout=20, async_backend=backend)
+    assert rank0["ticks"] >= 20, "the event loop was blocked while awaiting"
+    assert rank0["extra_threads"] <= 0, "a thread was started per handle"

@@ -1,0 +1,71 @@
+"""The public surface: what __all__ promises exists, and nothing private leaks."""
+
+from __future__ import annotations
+
+import inspect
+
+import asyncdist
+import asyncdist.compat
+import asyncdist.errors
+
+EXPECTED = {
+    "AsyncDistError",
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "DistSession",
+    "Handle",
+    "InitError",
+    "PeerFailure",
+    "SessionBroken",
+    "SessionClosed",
+    "__version__",
+    "spawn",
+    "wait_all",
+}
+
+
+def test_all_is_exactly_the_contract() -> None:
+    assert set(asyncdist.__all__) == EXPECTED
+    assert asyncdist.__all__ == sorted(asyncdist.__all__)
+
+
+def test_every_name_exists_and_is_public() -> None:
+    for name in asyncdist.__all__:
+        obj = getattr(asyncdist, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert obj.__module__.startswith("asyncdist")
+    public = {n for n in vars(asyncdist) if not n.startswith("_")}
+    # submodules are importable attributes, not API names
+    public -= {"compat", "errors"}
+    assert public <= set(asyncdist.__all__), f"leaked: {public - set(asyncdist.__all__)}"
+
+
+def test_compat_surface() -> None:
+    assert set(asyncdist.compat.__all__) == {
+        "allreduce",
+        "broadcast",
+        "dist_finalize",
+        "dist_init",
+        "dist_mode",
+        "error_wrapper",
+        "get_group",
+        "get_rank",
+        "get_world_size",
+    }
+    for name in asyncdist.compat.__all__:
+        assert callable(getattr(asyncdist.compat, name))
+
+
+def test_session_surface() -> None:
+    for name in ("rank", "world_size", "local_rank", "backend", "device", "group", "is_main",
+                 "closed"):
+        assert isinstance(inspect.getattr_static(asyncdist.DistSession, name), property)
+    params = inspect.signature(asyncdist.DistSession).parameters
+    assert list(params) == ["backend", "init_method", "rank", "world_size", "master_addr",
+                            "master_port", "timeout", "device", "debug"]
+
+
+def test_version_is_a_string() -> None:
+    assert isinstance(asyncdist.__version__, str)
+    assert asyncdist.__version__.count(".") >= 2

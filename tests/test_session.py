@@ -1,0 +1,272 @@
+"""DistSession: lifecycle, environment, reduce ops, bad input, faults."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncdist import (
+    CollectiveTimeout,
+    DistSession,
+    InitError,
+    PeerFailure,
+    SessionBroken,
+    SessionClosed,
+    spawn,
+)
+from asyncdist._session import State
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _listening_addresses() -> set[str]:
+    return {
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_local_default_properties_and_release() -> None:
+    with DistSession() as s:
+        assert (s.rank, s.world_size, s.local_rank) == (0, 1, 0)
+        assert s.backend == "gloo"
+        assert s.device == torch.device("cpu")
+        assert s.is_main
+        assert not s.closed
+        assert s.state is State.OPEN
+        assert s.group is dist.group.WORLD
+        assert dist.is_initialized()
+    assert s.closed
+    assert s.state is State.CLOSED
+    assert not dist.is_initialized()
+
+
+def test_local_default_listens_on_loopback_only() -> None:
+    before = _listening_addresses()
+    with DistSession():
+        during = _listening_addresses() - before
+        assert during, "the local default should host its store"
+        assert all(ipaddress.ip_address(ip).is_loopback for ip in during), during
+    assert _listening_addresses() <= before, "the store's socket was not released"
+
+
+def test_sessions_one_after_another() -> None:
+    for i in range(5):
+        with DistSession(timeout=10) as s:
+            t = torch.full((2,), float(i))
+            assert torch.equal(s.allreduce(t).wait(), t)
+        assert not dist.is_initialized()
+
+
+def test_adopts_an_initialised_group_and_leaves_it() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with DistSession() as s:
+            assert s.group is dist.group.WORLD
+            s.allreduce(torch.ones(1)).wait()
+        assert dist.is_initialized(), "an adopted group must not be destroyed"
+        with pytest.raises(InitError, match="world_size=1"):
+            DistSession(world_size=2).__enter__()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exit_by_exception_releases_the_group() -> None:
+    with pytest.raises(KeyError), DistSession() as s:
+        s.allreduce(torch.ones(2))
+        raise KeyError("boom")
+    assert s.closed
+    assert not dist.is_initialized()
+
+
+@pytest.mark.anyio
+async def test_async_exit_by_cancellation_releases_the_group() -> None:
+    with anyio.move_on_after(0.05):
+        async with DistSession() as s:
+            s.allreduce(torch.ones(2))
+            await anyio.sleep(10)
+    assert s.closed
+    assert not dist.is_initialized()
+
+
+def test_closed_session_refuses_collectives() -> None:
+    s = DistSession()
+    with pytest.raises(SessionClosed, match="unopened"):
+        s.allreduce(torch.ones(1))
+    with s:
+        pass
+    with pytest.raises(SessionClosed, match="closed"):
+        s.broadcast(torch.ones(1))
+    s.close()  # closing twice is fine
+    with pytest.raises(SessionClosed), s:
+        pass
+
+
+def test_constructor_validates_timeout() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        DistSession(timeout=0)
+    with pytest.raises(TypeError, match="timedelta"):
+        DistSession(timeout="10")  # type: ignore[arg-type]
+    assert DistSession(timeout=datetime.timedelta(seconds=5)).timeout == 5.0
+
+
+BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    ("allreduce", {"tensor": [1.0, 2.0]}, TypeError, "torch.Tensor"),
+    ("allreduce", {"tensor": torch.ones(4, 4).t()}, ValueError, "contiguous"),
+    ("allreduce", {"tensor": torch.ones(2), "op": "median"}, ValueError, "unknown reduce op"),
+    ("allreduce", {"tensor": torch.ones(2), "op": 3}, TypeError, "ReduceOp"),
+    ("allreduce", {"tensor": torch.ones(2, dtype=torch.int64), "op": "mean"}, ValueError, "mean"),
+    ("allreduce", {"tensor": torch.ones(2, dtype=torch.complex64), "op": "max"}, ValueError,
+     "complex"),
+    ("allreduce", {"tensor": torch.ones(2), "op": "band"}, ValueError, "integer"),
+    ("allreduce", {"tensor": torch.ones(2, dtype=torch.int16)}, ValueError, "gloo cannot"),
+    ("allreduce", {"tensor": torch.ones(2).to_sparse()}, ValueError, "sparse"),
+    ("broadcast", {"tensor": torch.ones(2), "src": 1}, ValueError, "outside"),
+    ("broadcast", {"tensor": torch.ones(2), "src": -1}, ValueError, "outside"),
+    ("broadcast", {"tensor": torch.ones(2), "src": 0.0}, TypeError, "int"),
+    ("broadcast", {"tensor": None}, TypeError, "torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize(("method", "kwargs", "error", "match"), BAD_INPUTS)
+def test_bad_input_fails_before_launch_and_session_stays_usable(
+    method: str, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with DistSession() as s:
+        with pytest.raises(error, match=match):
+            getattr(s, method)(**kwargs)
+        assert s.state is State.OPEN
+        assert len(s._outstanding) == 0, "nothing may be launched"
+        assert s.allreduce(torch.ones(2)).wait().tolist() == [1.0, 1.0]
+
+
+# -- several ranks ----------------------------------------------------------------
+
+
+def _reduce_ops(session: DistSession) -> dict[str, list[float]]:
+    r, n = session.rank, session.world_size
+    out = {}
+    for op in ("sum", "mean", "min", "max", "product", dist.ReduceOp.SUM):
+        t = torch.tensor([r + 1.0, -(r + 1.0)])
+        out[str(op)] = session.allreduce(t, op=op).wait().tolist()
+    i = torch.tensor([r + 1], dtype=torch.int64)
+    out["int_sum"] = session.allreduce(i).wait().tolist()
+    b = torch.full((3,), float(r))
+    out["bcast"] = session.broadcast(b, src=n - 1).wait().tolist()
+    return out
+
+
+def test_reduce_ops_against_hand_values() -> None:
+    results = spawn(_reduce_ops, 3, timeout=20)
+    # ranks contribute 1, 2, 3 (and their negatives)
+    for out in results:
+        assert out["sum"] == [6.0, -6.0]
+        assert out["mean"] == [2.0, -2.0]
+        assert out["min"] == [1.0, -3.0]
+        assert out["max"] == [3.0, -1.0]
+        assert out["product"] == [6.0, -6.0]
+        assert out[str(dist.ReduceOp.SUM)] == [6.0, -6.0]
+        assert out["int_sum"] == [6]
+        assert out["bcast"] == [2.0, 2.0, 2.0]
+
+
+def _seed_complex_example(session: DistSession) -> list[complex]:
+    tensor = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.cfloat) + 2 * session.rank * (1 + 1j)
+    return session.allreduce(tensor).wait().tolist()
+
+
+def test_complex_allreduce_from_the_seed_documentation() -> None:
+    assert spawn(_seed_complex_example, 2) == [[4 + 4j, 6 + 6j]] * 2
+
+
+def _silent_peer(session: DistSession, out: str) -> None:
+    if session.rank == 1:
+        time.sleep(session.timeout + 4)  # alive, but never joins
+        return
+    t0 = time.monotonic()
+    try:
+        session.allreduce(torch.ones(4)).wait()
+    except CollectiveTimeout as exc:
+        elapsed = time.monotonic() - t0
+        t1 = time.monotonic()
+        try:
+            session.allreduce(torch.ones(4))
+        except SessionBroken as broken:
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "elapsed": elapsed,
+                        "broken_after": time.monotonic() - t1,
+                        "message": str(exc),
+                        "chained": broken.__cause__ is exc,
+                    }
+                )
+            )
+
+
+def test_silent_peer_raises_collective_timeout(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    t0 = time.monotonic()
+    spawn(_silent_peer, 2, args=(str(out),), timeout=2)
+    report = json.loads(out.read_text())
+    assert 2.0 <= report["elapsed"] <= 2.0 + 5.0
+    assert report["broken_after"] < 0.1, "a broken session must refuse at once"
+    assert report["chained"]
+    assert "allreduce" in report["message"]
+    assert "rank 0" in report["message"]
+    assert time.monotonic() - t0 < 30, "exit of the broken session hung"
+
+
+def _dead_peer(session: DistSession, out: str) -> None:
+    if session.rank == 1:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        session.allreduce(torch.ones(1 << 20)).wait()
+    except PeerFailure as exc:
+        Path(out).write_text(
+            json.dumps({"elapsed": time.monotonic() - t0, "state": session.state.value,
+                        "message": str(exc)})
+        )
+
+
+def test_dead_peer_raises_peer_failure(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    with pytest.raises(PeerFailure, match="rank 1 exited with code 0"):
+        spawn(_dead_peer, 2, args=(str(out),), timeout=30)
+    report = json.loads(out.read_text())
+    assert report["elapsed"] < 5.0, "a dead peer must be noticed quickly, not at the timeout"
+    assert report["state"] == "broken"
+    assert "allreduce" in report["message"]
+
+
+def test_init_error_when_a_rank_never_joins() -> None:
+    os.environ.pop("RANK", None)
+    t0 = time.monotonic()
+    with pytest.raises(InitError, match="could not form"):
+        # world of 2, only rank 0 here: the store is ours, no peer ever comes
+        with DistSession(rank=0, world_size=2, master_port=_free_port(), timeout=2):
+            pass
+    assert time.monotonic() - t0 < 2 + 5
+    assert not dist.is_initialized()
+
+
+def _free_port() -> int:
+    from asyncdist._env import bind_loopback
+
+    sock = bind_loopback()
+    port = int(sock.getsockname()[1])
+    sock.close()
+    return port
