@@ -1,34 +1,38 @@
 """Handle: a launched collective, awaitable on asyncio or trio, or waited on synchronously.
 
 A collective is issued by the session *before* its handle exists; the handle
-only observes completion.  Completion reaches it by one of two paths:
+only observes completion, and whoever observes it first (a waiter, ``done()``,
+the session's watchdog) *settles* it: checks the work's outcome, runs the
+op's finishing step (e.g. the division of "mean") exactly once, and records
+the result or the translated error.
 
-* the torch ``Future`` of the work: its done-callback runs on a gloo worker
-  thread, finishes the result (e.g. divides for "mean") and marks the
-  handle's ``_Completion``;
-* for works gloo gives no future (``reduce_scatter``, ``send``/``recv``): a
-  :class:`Completer` thread per ordering key waits on the works in issue
-  order.  One thread serves every handle of that key; none is parked per
-  handle.
+How completion is observed, by kind of work:
 
-Waiters are woken from that thread without blocking it: a sync waiter through
-a ``threading.Event``, an async waiter through :mod:`._wakeup`.
+* works with a torch ``Future`` (every gloo collective but the ones below):
+  ``wait()`` blocks in torch's own ``work.wait()`` with the GIL released,
+  exactly like raw torch code; ``await`` hooks the future's done-callback,
+  which runs on a gloo worker thread and wakes the loop through
+  :mod:`._wakeup` without blocking; ``done()`` asks ``work.is_completed()``.
+* works gloo gives no future (``reduce_scatter``, ``send``/``recv``) and
+  multi-step ops (object collectives): a :class:`Completer` thread per
+  ordering key runs them in issue order. One thread serves every handle of
+  that key; none is parked per handle.
 
-Nothing a completion callback holds may reference the process group: gloo
-drops the callback on its worker thread, and if that dropped the last
-reference to the group, gloo would join its own thread and abort.
+The session's :class:`Watchdog` thread looks at outstanding handles about once
+a second: it settles finished ones nobody looked at (so a handle completes
+without being awaited, and a failure breaks the session) and declares lost
+those that made no progress within the timeout.
 """
 
 from __future__ import annotations
 
-import math
+import collections
+import datetime
 import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
-
-import anyio
 
 from . import _wakeup
 from .errors import CollectiveTimeout, translate
@@ -64,27 +68,43 @@ class Health:
 
 
 class _Completion:
-    """One-shot result cell, set from any thread, first setter wins."""
+    """One-shot result cell, set from any thread, first setter wins.
 
-    __slots__ = ("_callbacks", "_error", "_event", "_lock", "_value")
+    Waiting uses a lock held from birth and released once settled (two bare
+    locks cost far less to make than a ``threading.Event``'s condition).
+    """
+
+    __slots__ = ("_callbacks", "_claimed", "_done", "_error", "_gate", "_lock", "_value")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._claimed = False
+        self._done = False
         self._callbacks: list[Callable[[], None]] = []
         self._value: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
+
+    def claim(self) -> bool:
+        """True for the first caller only: it must then settle the cell."""
+        with self._lock:
+            if self._claimed or self._done:
+                return False
+            self._claimed = True
+            return True
 
     def _settle(self, value: Any, error: BaseException | None) -> bool:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return False
             self._value, self._error = value, error
+            self._done = True
             callbacks, self._callbacks = self._callbacks, []
-            self._event.set()
+        self._gate.release()
         for callback in callbacks:
             callback()
         return True
@@ -99,7 +119,7 @@ class _Completion:
         """Run ``callback()`` once done: now (on this thread) if already done,
         else on the thread that completes the cell.  It must not raise."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(callback)
                 return
         callback()
@@ -110,7 +130,13 @@ class _Completion:
                 self._callbacks.remove(callback)
 
     def wait(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
+        """Block until settled or ``timeout`` seconds passed; True if settled."""
+        if self._done:
+            return True
+        if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._gate.release()  # let the next waiter through
+            return True
+        return self._done
 
     def error(self) -> BaseException | None:
         return self._error
@@ -119,27 +145,6 @@ class _Completion:
         if self._error is not None:
             raise self._error
         return self._value
-
-
-def _settle_from(
-    completion: _Completion,
-    health: Health,
-    op: str,
-    outcome: Callable[[], Any],
-) -> None:
-    """Run ``outcome`` (which waits/checks the work and returns the result) and
-    record what it gave.  Runs on a backend thread; never raises."""
-    try:
-        value = outcome()
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
-        error = translate(exc, op=op, rank=health.rank, timeout=health.timeout)
-        if error is not exc:
-            error.__cause__ = exc
-        health.break_(error)
-        completion.set_error(error)
-    else:
-        health.progressed()
-        completion.set_result(value)
 
 
 class Completer:
@@ -194,6 +199,48 @@ class Completer:
             thread.join(remaining)
 
 
+class Watchdog:
+    """Declares a session's collectives lost when it stops making progress.
+
+    One daemon thread per session, not per handle.  The backend's own
+    timeout (the group timeout) normally fires first; this is the backstop
+    for a collective the backend never finishes.  A pending handle expires
+    once neither it was launched nor anything completed in the last
+    ``timeout + WATCHDOG_GRACE`` seconds.
+    """
+
+    def __init__(self, health: Health, outstanding: collections.deque[Handle[Any]]) -> None:
+        self._health = health
+        self._outstanding = outstanding
+        self._stop = threading.Event()
+        self._limit = health.timeout + WATCHDOG_GRACE
+        self._thread = threading.Thread(
+            target=self._run, name=f"asyncdist-watchdog-r{health.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = min(1.0, self._limit / 4)
+        while not self._stop.wait(period):
+            self.check()
+
+    def check(self) -> None:
+        for handle in self._snapshot():
+            if not handle.done() and handle._budget() <= 0:
+                handle._expire()
+
+    def _snapshot(self) -> list[Handle[Any]]:
+        while True:
+            try:
+                return list(self._outstanding)
+            except RuntimeError:  # appended to while copying; try again
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class Handle(Generic[T_co]):
     """A launched collective.
 
@@ -203,25 +250,35 @@ class Handle(Generic[T_co]):
     come from :class:`~asyncdist.DistSession` methods and :func:`wait_all`.
     """
 
-    __slots__ = ("_completion", "_health", "_launched", "_op", "_work")
+    __slots__ = ("_completion", "_finish", "_health", "_hooked", "_launched", "_op", "_work")
 
     _op: str
     _completion: _Completion
     _health: Health | None
     _launched: float
-    _work: Any
+    _work: Any  # a torch Work with a future; None when a Completer settles the handle
+    _finish: Callable[[], Any]
+    _hooked: bool
 
     def __init__(self) -> None:
         raise TypeError("Handle has no public constructor; DistSession methods return handles")
 
     @classmethod
-    def _create(cls, op: str, health: Health | None, work: Any = None) -> Handle[Any]:
+    def _create(
+        cls,
+        op: str,
+        health: Health | None,
+        finish: Callable[[], Any],
+        work: Any = None,
+    ) -> Handle[Any]:
         self = object.__new__(cls)
         self._op = op
         self._completion = _Completion()
         self._health = health
         self._launched = time.monotonic()
         self._work = work
+        self._finish = finish
+        self._hooked = False
         return self
 
     # -- inspection --------------------------------------------------------
@@ -233,10 +290,16 @@ class Handle(Generic[T_co]):
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not)."""
+        if self._completion.done():
+            return True
+        work = self._work
+        if work is not None and work.is_completed():
+            self._settle(work.wait)  # returns at once, or raises the backend's error
         return self._completion.done()
 
     def exception(self) -> BaseException | None:
         """The error the collective ended with, ``None`` if pending or successful."""
+        self.done()
         return self._completion.error()
 
     def __repr__(self) -> str:
@@ -248,24 +311,46 @@ class Handle(Generic[T_co]):
             status = "done"
         return f"<Handle {self._op} {status}>"
 
-    # -- the watchdog --------------------------------------------------------
+    # -- settling (any thread) -----------------------------------------------
 
-    def _watchdog_remaining(self) -> float:
-        """Seconds until this handle is declared lost (inf without a session)."""
+    def _settle(self, check: Callable[[], object]) -> None:
+        """If first to claim it, settle this handle: ``check()`` raises the
+        backend's error, if any; else ``finish()`` gives the result.  Never raises."""
+        completion = self._completion
+        if not completion.claim():
+            return
         health = self._health
-        if health is None:
-            return math.inf
+        assert health is not None
+        try:
+            check()
+            value = self._finish()
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
+            error = translate(exc, op=self._op, rank=health.rank, timeout=health.timeout)
+            if error is not exc:
+                error.__cause__ = exc
+            health.break_(error)
+            completion.set_error(error)
+        else:
+            health.progressed()
+            completion.set_result(value)
+
+    def _budget(self) -> float:
+        """Seconds left before the watchdog declares this handle lost."""
+        health = self._health
+        assert health is not None
         since = max(self._launched, health.last_progress)
         return since + health.timeout + WATCHDOG_GRACE - time.monotonic()
 
     def _expire(self) -> None:
+        """Declare the collective lost: it made no progress within the limit."""
         health = self._health
         assert health is not None
+        limit = health.timeout + WATCHDOG_GRACE
         error = CollectiveTimeout(
-            f"{self._op} on rank {health.rank} made no progress for "
-            f"{health.timeout + WATCHDOG_GRACE:g} s (timeout {health.timeout:g} s): a peer "
-            "is alive but silent. Check that every rank issues the same collectives in "
-            "the same order, and whether a peer is stuck or stopped.",
+            f"{self._op} on rank {health.rank} made no progress for {limit:g} s "
+            f"(session timeout {health.timeout:g} s): a peer is alive but silent. Check "
+            "that every rank issues the same collectives in the same order, and whether "
+            "a peer is stuck or stopped.",
             op=self._op,
             rank=health.rank,
         )
@@ -287,24 +372,37 @@ class Handle(Generic[T_co]):
             CollectiveTimeout, PeerFailure, CollectiveError: the collective failed.
         """
         completion = self._completion
-        if not completion.done():
-            limit = math.inf if timeout is None else time.monotonic() + timeout
-            while True:
-                watchdog = self._watchdog_remaining()
-                user = limit - time.monotonic()
-                chunk = min(watchdog, user)
-                if completion.wait(None if chunk == math.inf else max(0.0, chunk)):
-                    break
-                if self._watchdog_remaining() <= 0:
-                    self._expire()
-                    break
-                if limit - time.monotonic() <= 0:
-                    raise TimeoutError(
-                        f"{self._op} did not finish within {timeout:g} s; the handle stays "
-                        "valid and can be waited on again"
-                    )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not completion.done() and self._work is not None:
+            self._block(deadline)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if not completion.wait(remaining):
+            raise TimeoutError(
+                f"{self._op} did not finish within {timeout:g} s; the handle stays valid "
+                "and can be waited on again"
+            )
         result: T_co = completion.result()
         return result
+
+    def _block(self, deadline: float | None) -> None:
+        """Wait in torch's ``work.wait`` (GIL released), in slices that end at
+        ``deadline`` or when the watchdog would declare the work lost."""
+        work = self._work
+        while not self._completion.done():
+            budget = self._budget()
+            if deadline is not None:
+                budget = min(budget, deadline - time.monotonic())
+            try:
+                work.wait(datetime.timedelta(seconds=max(budget, 0.001)))
+            except RuntimeError:
+                if not work.is_completed():  # only our slice ran out
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return
+                    if self._budget() <= 0:
+                        self._expire()
+                    continue
+            self._settle(work.wait)
+            return
 
     def synchronize(self) -> T_co:
         """Like :meth:`wait`, and for CUDA work also block the host until the
@@ -316,56 +414,26 @@ class Handle(Generic[T_co]):
 
     async def _wait_async(self) -> T_co:
         completion = self._completion
-        if not completion.done():
-            event = anyio.Event()
-            wake = _wakeup.current_waker()
-
-            def on_done() -> None:
-                wake(event.set)
-
-            completion.add_callback(on_done)
-            try:
-                while not completion.done():
-                    with anyio.move_on_after(self._watchdog_remaining()):
-                        await event.wait()
-                    if not completion.done() and self._watchdog_remaining() <= 0:
-                        self._expire()
-            finally:
-                completion.remove_callback(on_done)
+        if not self.done():
+            self._hook()
+            await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
         result: T_co = completion.result()
         return result
 
+    def _hook(self) -> None:
+        """Settle from the work's future callback (a gloo worker thread), so an
+        async waiter is woken without any thread blocking for it."""
+        if self._hooked or self._work is None:
+            return
+        self._hooked = True
+
+        def on_future(future: Any) -> None:
+            self._settle(future.value)
+
+        self._work.get_future().add_done_callback(on_future)
+
     def __await__(self) -> Generator[Any, None, T_co]:
         return self._wait_async().__await__()
-
-    # -- completion (called by the session) -----------------------------------
-
-    def _complete_with(self, outcome: Callable[[], Any]) -> Callable[[], None]:
-        """A job that settles this handle with ``outcome()``; holds no group."""
-        completion, health, op = self._completion, self._health, self._op
-        assert health is not None
-
-        def job() -> None:
-            _settle_from(completion, health, op, outcome)
-
-        return job
-
-    def _attach_future(self, future: Any, finish: Callable[[], Any]) -> None:
-        """Settle from a torch ``Future``'s done-callback (gloo worker thread)."""
-        completion, health, op = self._completion, self._health, self._op
-        assert health is not None
-
-        def on_future(fut: Any) -> None:
-            def outcome() -> Any:
-                fut.value()  # raises the backend's error, if any
-                return finish()
-
-            _settle_from(completion, health, op, outcome)
-
-        future.add_done_callback(on_future)
-
-    def _fail_now(self, error: BaseException) -> None:
-        self._completion.set_error(error)
 
 
 class _AllHandle(Handle[list[Any]]):
@@ -406,7 +474,7 @@ def wait_all(handles: Iterable[Handle[T]]) -> Handle[list[T]]:
     for part in parts:
         if not isinstance(part, Handle):
             raise TypeError(f"wait_all takes Handles, not {type(part).__name__}")
-    self = _AllHandle._create("wait_all", None)
+    self = _AllHandle._create("wait_all", None, list)
     assert isinstance(self, _AllHandle)
     self._parts = parts
     return self  # type: ignore[return-value]

@@ -1,11 +1,13 @@
-"""Thread-safe, non-blocking wake-up of the running asyncio or trio loop.
+"""Waiting on the running asyncio or trio loop for a completion signalled from another thread.
 
 Completion of a collective is observed on a backend thread (a gloo worker, or
-asyncdist's completer thread). To wake a task waiting on the event loop, that
-thread must hand a callable to the loop without blocking: asyncio's
-``loop.call_soon_threadsafe`` and trio's ``TrioToken.run_sync_soon`` do
-exactly that (a self-pipe write), unlike ``anyio.from_thread.run_sync``, which
-blocks the caller until the loop has run the function.
+asyncdist's completer thread).  That thread must hand the wake-up to the loop
+without blocking: asyncio's ``loop.call_soon_threadsafe`` and trio's
+``TrioToken.run_sync_soon`` do exactly that (a self-pipe write), unlike
+``anyio.from_thread.run_sync``, which blocks the caller until the loop ran.
+The waiting task sleeps on the loop's own primitive (an asyncio future, a
+trio task reschedule), so cancellation works natively, and nothing is left
+behind when the loop is gone before the wake-up arrives.
 
 This is the only module that knows which event loop is running.
 """
@@ -14,31 +16,69 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
-import anyio.lowlevel
+import sniffio
 
-Wake = Callable[[Callable[[], object]], None]
+Callback = Callable[[], None]
 
 
-def current_waker() -> Wake:
-    """Return ``wake(fn)``, callable from any thread, that runs ``fn`` on the
-    current event loop's thread soon.
+async def wait_for(add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]) -> None:
+    """Sleep until ``add_callback``'s callback fires (from any thread).
 
-    ``wake`` never blocks and never raises: if the loop has already finished
-    (the waiting task is gone), ``fn`` is dropped.
+    A cancel point on both loops: cancelling the waiting task removes the
+    callback and leaves whatever it watched untouched.
     """
-    native = anyio.lowlevel.current_token().native_token
-    schedule: Callable[[Callable[[], object]], object]
-    if isinstance(native, asyncio.AbstractEventLoop):
-        schedule = native.call_soon_threadsafe
-    else:  # trio.lowlevel.TrioToken
-        schedule = native.run_sync_soon  # type: ignore[attr-defined]
+    if sniffio.current_async_library() == "trio":
+        await _wait_trio(add_callback, remove)
+    else:
+        await _wait_asyncio(add_callback, remove)
 
-    def wake(fn: Callable[[], object]) -> None:
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # it may have been cancelled meanwhile
+        future.set_result(None)
+
+
+async def _wait_asyncio(add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]) -> None:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
         try:
-            schedule(fn)
-        except RuntimeError:
-            # asyncio: "Event loop is closed"; trio: RunFinishedError (a RuntimeError).
+            loop.call_soon_threadsafe(_resolve, future)
+        except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
-    return wake
+    add_callback(wake)
+    try:
+        await future
+    finally:
+        remove(wake)
+
+
+async def _wait_trio(add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]) -> None:
+    import trio
+
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+    waiting = [True]  # touched only on the trio thread
+
+    def reschedule() -> None:
+        if waiting[0]:
+            waiting[0] = False
+            trio.lowlevel.reschedule(task)
+
+    def wake() -> None:
+        try:
+            token.run_sync_soon(reschedule)
+        except trio.RunFinishedError:
+            pass
+
+    def abort(_: Any) -> trio.lowlevel.Abort:
+        waiting[0] = False
+        remove(wake)
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    add_callback(wake)
+    await trio.lowlevel.wait_task_rescheduled(abort)
