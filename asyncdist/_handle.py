@@ -250,7 +250,16 @@ class Handle(Generic[T_co]):
     come from :class:`~asyncdist.DistSession` methods and :func:`wait_all`.
     """
 
-    __slots__ = ("_completion", "_finish", "_health", "_hooked", "_launched", "_op", "_work")
+    __slots__ = (
+        "_completion",
+        "_finish",
+        "_health",
+        "_hooked",
+        "_launched",
+        "_observed",
+        "_op",
+        "_work",
+    )
 
     _op: str
     _completion: _Completion
@@ -259,6 +268,7 @@ class Handle(Generic[T_co]):
     _work: Any  # a torch Work with a future; None when a Completer settles the handle
     _finish: Callable[[], Any]
     _hooked: bool
+    _observed: bool  # someone got the result or the error from this handle
 
     def __init__(self) -> None:
         raise TypeError("Handle has no public constructor; DistSession methods return handles")
@@ -279,6 +289,7 @@ class Handle(Generic[T_co]):
         self._work = work
         self._finish = finish
         self._hooked = False
+        self._observed = False
         return self
 
     # -- inspection --------------------------------------------------------
@@ -299,7 +310,8 @@ class Handle(Generic[T_co]):
 
     def exception(self) -> BaseException | None:
         """The error the collective ended with, ``None`` if pending or successful."""
-        self.done()
+        if self.done():
+            self._observed = True
         return self._completion.error()
 
     def __repr__(self) -> str:
@@ -311,11 +323,15 @@ class Handle(Generic[T_co]):
             status = "done"
         return f"<Handle {self._op} {status}>"
 
+    def __reduce__(self) -> Any:
+        raise TypeError("a Handle belongs to the process that launched it; it cannot be pickled")
+
     # -- settling (any thread) -----------------------------------------------
 
     def _settle(self, check: Callable[[], object]) -> None:
         """If first to claim it, settle this handle: ``check()`` raises the
-        backend's error, if any; else ``finish()`` gives the result.  Never raises."""
+        backend's error, if any (a fault: it breaks the session); else
+        ``finish()`` gives the result, or a local error.  Never raises."""
         completion = self._completion
         if not completion.claim():
             return
@@ -323,15 +339,19 @@ class Handle(Generic[T_co]):
         assert health is not None
         try:
             check()
-            value = self._finish()
         except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
             error = translate(exc, op=self._op, rank=health.rank, timeout=health.timeout)
             if error is not exc:
                 error.__cause__ = exc
             health.break_(error)
             completion.set_error(error)
+            return
+        health.progressed()
+        try:
+            value = self._finish()
+        except BaseException as exc:  # noqa: BLE001 - a local error (e.g. a refused unpickle)
+            completion.set_error(exc)  # the collective itself went fine: no fault
         else:
-            health.progressed()
             completion.set_result(value)
 
     def _budget(self) -> float:
@@ -381,8 +401,16 @@ class Handle(Generic[T_co]):
                 f"{self._op} did not finish within {timeout:g} s; the handle stays valid "
                 "and can be waited on again"
             )
+        self._observed = True
         result: T_co = completion.result()
         return result
+
+    def _join(self) -> BaseException | None:
+        """Wait without raising (the session's exit); the error nobody saw, if any."""
+        if not self._completion.done() and self._work is not None:
+            self._block(None)
+        self._completion.wait(None)
+        return None if self._observed else self._completion.error()
 
     def _block(self, deadline: float | None) -> None:
         """Wait in torch's ``work.wait`` (GIL released), in slices that end at
@@ -417,8 +445,17 @@ class Handle(Generic[T_co]):
         if not self.done():
             self._hook()
             await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
+        self._observed = True
         result: T_co = completion.result()
         return result
+
+    async def _join_async(self) -> BaseException | None:
+        """:meth:`_join` for an async exit: waits on the loop, never raises."""
+        if not self.done():
+            self._hook()
+            completion = self._completion
+            await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
+        return None if self._observed else self._completion.error()
 
     def _hook(self) -> None:
         """Settle from the work's future callback (a gloo worker thread), so an
@@ -439,9 +476,10 @@ class Handle(Generic[T_co]):
 class _AllHandle(Handle[list[Any]]):
     """The handle :func:`wait_all` returns: done when every part is."""
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_combine", "_parts")
 
     _parts: tuple[Handle[Any], ...]
+    _combine: Callable[[list[Any]], Any]
 
     def done(self) -> bool:
         return all(part.done() for part in self._parts)
@@ -449,19 +487,19 @@ class _AllHandle(Handle[list[Any]]):
     def exception(self) -> BaseException | None:
         return next((e for p in self._parts if (e := p.exception()) is not None), None)
 
-    def wait(self, timeout: float | None = None) -> list[Any]:
+    def wait(self, timeout: float | None = None) -> Any:
         limit = None if timeout is None else time.monotonic() + timeout
         results = []
         for part in self._parts:
             remaining = None if limit is None else max(0.0, limit - time.monotonic())
             results.append(part.wait(remaining))
-        return results
+        return self._combine(results)
 
-    def synchronize(self) -> list[Any]:
-        return [part.synchronize() for part in self._parts]
+    def synchronize(self) -> Any:
+        return self._combine([part.synchronize() for part in self._parts])
 
-    async def _wait_async(self) -> list[Any]:
-        return [await part for part in self._parts]
+    async def _wait_async(self) -> Any:
+        return self._combine([await part for part in self._parts])
 
 
 def wait_all(handles: Iterable[Handle[T]]) -> Handle[list[T]]:
@@ -474,8 +512,14 @@ def wait_all(handles: Iterable[Handle[T]]) -> Handle[list[T]]:
     for part in parts:
         if not isinstance(part, Handle):
             raise TypeError(f"wait_all takes Handles, not {type(part).__name__}")
-    self = _AllHandle._create("wait_all", None, list)
+    return combined("wait_all", parts, list)
+
+
+def combined(op: str, parts: Iterable[Handle[Any]], combine: Callable[[list[Any]], T]) -> Handle[T]:
+    """A handle done when all ``parts`` are, whose result is ``combine(results)``."""
+    self = _AllHandle._create(op, None, list)
     assert isinstance(self, _AllHandle)
-    self._parts = parts
+    self._parts = tuple(parts)
+    self._combine = combine
     return self  # type: ignore[return-value]
 

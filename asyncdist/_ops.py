@@ -73,14 +73,37 @@ def _is_integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex)
 
 
+_resolved: dict[tuple[Any, torch.dtype, str], Reduction] = {}
+
+
 def reduction(op: Any, dtype: torch.dtype, *, backend: str, collective: str) -> Reduction:
-    """Resolve ``op`` for a tensor of ``dtype`` on ``backend``.
+    """Resolve ``op`` for a tensor of ``dtype`` on ``backend`` (memoised).
 
     Raises:
         TypeError: ``op`` is neither a string nor a ``torch.distributed.ReduceOp``.
         ValueError: an unknown name, or an op the dtype cannot do ("mean" on
             integers, "min"/"max"/"product" on complex, bitwise ops on floats).
     """
+    try:
+        return _resolved[op, dtype, backend]
+    except (KeyError, TypeError):  # not seen yet, or unhashable (an error below)
+        pass
+    result = _resolve(op, dtype, backend=backend, collective=collective)
+    if isinstance(op, (str, dist.ReduceOp.RedOpType)):
+        _resolved[op, dtype, backend] = result
+    return result
+
+
+def reduction_name(op: Any, *, collective: str) -> str:
+    """The canonical name of ``op`` ("sum", "mean", ...), without dtype checks.
+
+    Raises:
+        TypeError, ValueError: ``op`` is not a reduce op.
+    """
+    return _resolve(op, torch.float32, backend="", collective=collective).name
+
+
+def _resolve(op: Any, dtype: torch.dtype, *, backend: str, collective: str) -> Reduction:
     if isinstance(op, str):
         key = op.lower()
         if key not in _BY_NAME:

@@ -9,12 +9,13 @@ observes completion.
 from __future__ import annotations
 
 import collections
+import ctypes
 import datetime
 import enum
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -22,11 +23,19 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from . import _ops
+from . import _ops, _pickle, _wakeup
+from ._debug import Fingerprint, describe, mismatch
 from ._env import LaunchEnv, detect, gloo_on_loopback, is_loopback
-from ._handle import Completer, Handle, Health, Watchdog
+from ._handle import Completer, Handle, Health, Watchdog, combined
 from ._store import session_store
-from .errors import AsyncDistError, InitError, SessionBroken, SessionClosed, translate
+from .errors import (
+    AsyncDistError,
+    CollectiveMismatch,
+    InitError,
+    SessionBroken,
+    SessionClosed,
+    translate,
+)
 
 logger = logging.getLogger("asyncdist")
 
@@ -162,6 +171,9 @@ class DistSession:
         self._loopback = False  # the world is confined to this machine's loopback
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
+        self._aux: dict[str, Any] = {}  # side groups: "debug" fingerprints, "objects"
+        self._seq = 0  # collectives issued, for debug fingerprints
+        self._last_issuer = ""
 
     # -- properties ------------------------------------------------------------
 
@@ -250,15 +262,9 @@ class DistSession:
     ) -> None:
         # Shielded: a cancellation must not leave the group half torn down.
         with anyio.CancelScope(shield=True):
-            first_error = None
-            for handle in self._drain():
-                try:
-                    await handle
-                except AsyncDistError as error:
-                    first_error = first_error or error
+            unseen = [await handle._join_async() for handle in self._drain()]
             self._teardown()
-        if first_error is not None and exc is None:
-            raise first_error
+        self._report(unseen, raise_errors=exc is None)
 
     def _open(self) -> None:
         if self._parent is not None and self._state is State.OPEN:
@@ -357,15 +363,22 @@ class DistSession:
         return handles
 
     def _close(self, *, raise_errors: bool) -> None:
-        first_error = None
-        for handle in self._drain():
-            try:
-                handle.wait()
-            except AsyncDistError as error:
-                first_error = first_error or error
+        unseen = [handle._join() for handle in self._drain()]
         self._teardown()
-        if first_error is not None and raise_errors:
-            raise first_error
+        self._report(unseen, raise_errors=raise_errors)
+
+    def _report(self, unseen: Iterable[BaseException | None], *, raise_errors: bool) -> None:
+        """Surface failures of outstanding handles nobody waited on: nothing is lost.
+
+        A fault is raised when the block exited normally; otherwise (or for
+        local errors, like a refused unpickle) it is logged.
+        """
+        faults = [error for error in unseen if error is not None]
+        for error in faults:
+            logger.warning("rank %d: unobserved failure at session exit: %s", self._rank, error)
+        fault = next((e for e in faults if isinstance(e, AsyncDistError)), None)
+        if fault is not None and raise_errors:
+            raise fault
 
     def _teardown(self) -> None:
         if self._state is not State.OPEN:
@@ -381,6 +394,13 @@ class DistSession:
         if watchdog is not None:
             watchdog.close()
         self._outstanding.clear()
+        aux, self._aux = list(self._aux.values()), {}
+        if not self._owns_group:  # an owned default group takes its side groups with it
+            for group in aux:
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError, KeyError) as exc:
+                    logger.debug("destroy_process_group(side group): %s", exc)
         if self._owns_group or self._parent is not None:
             group = None if self._parent is None else self._group
             try:
@@ -502,6 +522,66 @@ class DistSession:
     def _root(self, value: Any, op: str, what: str) -> int:
         return _ops.check_rank(value, world_size=self._world_size, collective=op, what=what)
 
+    # -- debug mode ----------------------------------------------------------------
+
+    def _side_group(self, kind: str) -> Any:
+        """A gloo group over this session's ranks for side traffic (created on
+        first use; every rank reaches that use at the same point in its program)."""
+        group = self._aux.get(kind)
+        if group is None:
+            ranks = [dist.get_global_rank(self._group, r) for r in range(self._world_size)]
+            with gloo_on_loopback(self._loopback):
+                group = dist.new_group(
+                    ranks,
+                    timeout=datetime.timedelta(seconds=self._timeout),
+                    backend="gloo",
+                    use_local_synchronization=True,
+                )
+            self._aux[kind] = group
+        return group
+
+    def _verify(
+        self,
+        op: str,
+        tensors: Iterable[torch.Tensor] = (),
+        *,
+        reduce: str = "",
+        root: int | None = None,
+    ) -> None:
+        """In debug mode, compare this call with every other rank's before launch.
+
+        Raises:
+            CollectiveMismatch: on every rank, if any rank issues something else.
+        """
+        if not self._debug:
+            return
+        issuer = _wakeup.current_issuer()
+        conflict = ""
+        if self._last_issuer and issuer != self._last_issuer:
+            if any(not handle.done() for handle in self._outstanding):
+                conflict = f"{self._last_issuer} and {issuer}"
+        self._last_issuer = issuer
+        self._seq += 1
+        mine = Fingerprint(
+            self._seq, op, tuple(describe(t) for t in tensors), reduce, root, conflict
+        )
+        raw = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
+        everyone = torch.empty(self._world_size * raw.numel(), dtype=torch.uint8)
+        try:
+            dist.all_gather_single(everyone, raw, group=self._side_group("debug"))
+        except RuntimeError as exc:
+            error = translate(exc, op=op, rank=self._rank, timeout=self._timeout)
+            self._health.break_(error)
+            raise error from exc
+        size = raw.numel()
+        prints = [
+            Fingerprint.decode(_tensor_bytes(everyone[r * size : (r + 1) * size]))
+            for r in range(self._world_size)
+        ]
+        problem = mismatch(prints)
+        if problem is not None:
+            raise CollectiveMismatch(f"{op} on rank {self._rank}: {problem}")
+
     # -- collectives -----------------------------------------------------------------
 
     def allreduce(self, tensor: torch.Tensor, op: _ops.ReduceOpLike = "sum") -> Handle[torch.Tensor]:
@@ -523,6 +603,12 @@ class DistSession:
         self._check_open(name)
         self._tensor(tensor, name)
         reduction = _ops.reduction(op, tensor.dtype, backend=self._backend, collective=name)
+        self._verify(name, (tensor,), reduce=reduction.name)
+        return self._allreduce(name, tensor, reduction, lambda: tensor)
+
+    def _allreduce(
+        self, name: str, tensor: torch.Tensor, reduction: _ops.Reduction, done: Callable[[], T]
+    ) -> Handle[T]:
         group, world = self._group, self._world_size
         options = dist.AllreduceOptions()
         options.reduceOp = reduction.wire_op
@@ -530,10 +616,10 @@ class DistSession:
         # complex travels as pairs of reals (only sum/mean reach here for complex)
         wire = torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
-        def finish() -> torch.Tensor:
+        def finish() -> T:
             if reduction.divide:
                 tensor.div_(world)
-            return tensor
+            return done()
 
         # The ProcessGroup method directly: torch's dist.all_reduce wrapper
         # re-does the checks made above and costs ~10 µs a call.
@@ -552,9 +638,417 @@ class DistSession:
         self._check_open(name)
         self._tensor(tensor, name)
         self._root(src, name, "src")
+        self._verify(name, (tensor,), root=src)
         group = self._group
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
         options.asyncOp = True
         return self._launch(name, lambda: group.broadcast([tensor], options), lambda: tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> Handle[list[torch.Tensor]]:
+        """Gather ``tensor`` from every rank.
+
+        Returns:
+            A handle whose result is a list with one tensor per rank (element
+            ``j`` came from rank ``j``); they are views of one buffer.
+
+        Raises:
+            TypeError, ValueError: bad tensor (it must have the same shape and
+                dtype on every rank).
+        """
+        name = "all_gather"
+        self._check_open(name)
+        self._tensor(tensor, name)
+        self._verify(name, (tensor,))
+        group = self._group
+        world, shape = self._world_size, tensor.shape
+        # gloo takes the concatenated (flat) form only
+        out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        flat = tensor.reshape(-1)
+        return self._launch(
+            name,
+            lambda: dist.all_gather_single(out, flat, group=group, async_op=True),
+            lambda: list(out.view(world, *shape).unbind(0)),
+        )
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: _ops.ReduceOpLike = "sum"
+    ) -> Handle[torch.Tensor]:
+        """Reduce ``tensor`` across ranks and give each rank its block of the result.
+
+        ``tensor.numel()`` must be divisible by the world size. Rank ``r`` gets
+        block ``r``: rows ``r*n/W .. (r+1)*n/W`` when the first dimension ``n``
+        divides, else the same slice of the flattened tensor.
+
+        Returns:
+            A handle whose result is this rank's block (a new tensor).
+
+        Raises:
+            TypeError, ValueError: bad tensor or op, or a size that does not divide.
+        """
+        name = "reduce_scatter"
+        self._check_open(name)
+        self._tensor(tensor, name)
+        world = self._world_size
+        if tensor.numel() % world:
+            raise ValueError(
+                f"{name}: tensor of {tensor.numel()} elements does not split into "
+                f"{world} equal blocks"
+            )
+        reduction = _ops.reduction(op, tensor.dtype, backend=self._backend, collective=name)
+        self._verify(name, (tensor,), reduce=reduction.name)
+        if tensor.dim() > 0 and tensor.shape[0] % world == 0:
+            shape = (tensor.shape[0] // world, *tensor.shape[1:])
+        else:
+            shape = (tensor.numel() // world,)
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        wire_in = (torch.view_as_real(tensor) if tensor.is_complex() else tensor).reshape(-1)
+        wire_out = (torch.view_as_real(out) if out.is_complex() else out).reshape(-1)
+        group = self._group
+
+        def finish() -> torch.Tensor:
+            if reduction.divide:
+                out.div_(world)
+            return out
+
+        return self._launch(
+            name,
+            lambda: dist.reduce_scatter_single(
+                wire_out, wire_in, op=reduction.wire_op, group=group, async_op=True
+            ),
+            finish,
+            futureless="collectives",
+        )
+
+    def all_to_all(self, inputs: Sequence[torch.Tensor]) -> Handle[list[torch.Tensor]]:
+        """Send ``inputs[j]`` to rank ``j``; receive one tensor from every rank.
+
+        Element ``j`` of the result came from rank ``j`` and has the shape and
+        dtype of ``inputs[j]`` (every rank sends rank ``j`` a tensor shaped like
+        the one it receives from it).
+
+        Raises:
+            TypeError, ValueError: not a list of one tensor per rank.
+        """
+        name = "all_to_all"
+        self._check_open(name)
+        chunks = self._tensor_list(inputs, name, "inputs", self._world_size)
+        self._verify(name, chunks)
+        outputs = [torch.empty_like(t) for t in chunks]
+        group = self._group
+        return self._launch(
+            name,
+            lambda: dist.all_to_all(outputs, chunks, group=group, async_op=True),
+            lambda: outputs,
+        )
+
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: _ops.ReduceOpLike = "sum"
+    ) -> Handle[torch.Tensor]:
+        """Reduce ``tensor`` across ranks into ``tensor`` on rank ``dst``.
+
+        Returns:
+            A handle whose result is ``tensor`` (meaningful on ``dst`` only;
+            other ranks' tensors may have been used as scratch).
+        """
+        name = "reduce"
+        self._check_open(name)
+        self._tensor(tensor, name)
+        self._root(dst, name, "dst")
+        reduction = _ops.reduction(op, tensor.dtype, backend=self._backend, collective=name)
+        self._verify(name, (tensor,), reduce=reduction.name, root=dst)
+        group, world, mine = self._group, self._world_size, self._rank == dst
+        wire = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+        def finish() -> torch.Tensor:
+            if reduction.divide and mine:
+                tensor.div_(world)
+            return tensor
+
+        return self._launch(
+            name,
+            lambda: dist.reduce(
+                wire, op=reduction.wire_op, group=group, group_dst=dst, async_op=True
+            ),
+            finish,
+        )
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0) -> Handle[list[torch.Tensor] | None]:
+        """Collect every rank's ``tensor`` on rank ``dst``.
+
+        Returns:
+            A handle whose result is the list of tensors by rank on ``dst``,
+            ``None`` on every other rank.
+        """
+        name = "gather"
+        self._check_open(name)
+        self._tensor(tensor, name)
+        self._root(dst, name, "dst")
+        self._verify(name, (tensor,), root=dst)
+        group = self._group
+        gathered = (
+            [torch.empty_like(tensor) for _ in range(self._world_size)]
+            if self._rank == dst
+            else None
+        )
+        return self._launch(
+            name,
+            lambda: dist.gather(tensor, gathered, group=group, group_dst=dst, async_op=True),
+            lambda: gathered,
+        )
+
+    def scatter(
+        self,
+        out: torch.Tensor,
+        chunks: Sequence[torch.Tensor] | None = None,
+        src: int = 0,
+    ) -> Handle[torch.Tensor]:
+        """Fill ``out`` on every rank with its chunk of ``chunks`` from rank ``src``.
+
+        Args:
+            out: receives this rank's chunk.
+            chunks: on ``src``, one tensor per rank, each shaped like ``out``;
+                ignored elsewhere.
+
+        Returns:
+            A handle whose result is ``out``.
+        """
+        name = "scatter"
+        self._check_open(name)
+        self._tensor(out, name, "out")
+        self._root(src, name, "src")
+        pieces: list[torch.Tensor] | None = None
+        if self._rank == src:
+            if chunks is None:
+                raise ValueError(f"{name}: rank {src} is the source and must pass chunks")
+            pieces = self._tensor_list(chunks, name, "chunks", self._world_size)
+            for piece in pieces:
+                if piece.shape != out.shape or piece.dtype != out.dtype:
+                    raise ValueError(
+                        f"{name}: every chunk must be shaped like out ({describe(out)}), "
+                        f"got {describe(piece)}"
+                    )
+        self._verify(name, (out,), root=src)
+        group = self._group
+        return self._launch(
+            name,
+            lambda: dist.scatter(out, pieces, group=group, group_src=src, async_op=True),
+            lambda: out,
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Handle[None]:
+        """Send ``tensor`` to rank ``dst`` (which must ``recv`` it).
+
+        Point-to-point ops involve two ranks only, so debug mode does not
+        fingerprint them.
+
+        Returns:
+            A handle whose result is ``None`` once the tensor was sent.
+        """
+        name = "send"
+        self._check_open(name)
+        self._tensor(tensor, name)
+        self._peer(dst, name, "dst")
+        group = self._group
+        return self._launch(
+            name,
+            lambda: dist.isend(tensor, group=group, group_dst=dst),
+            lambda: None,
+            futureless=f"send->{dst}",
+        )
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Handle[torch.Tensor]:
+        """Receive into ``tensor`` what rank ``src`` sends.
+
+        Returns:
+            A handle whose result is ``tensor``, filled.
+        """
+        name = "recv"
+        self._check_open(name)
+        self._tensor(tensor, name)
+        self._peer(src, name, "src")
+        group = self._group
+        return self._launch(
+            name,
+            lambda: dist.irecv(tensor, group=group, group_src=src),
+            lambda: tensor,
+            futureless=f"recv<-{src}",
+        )
+
+    def barrier(self) -> Handle[None]:
+        """Complete once every rank has reached this barrier.
+
+        Returns:
+            A handle whose result is ``None``.
+        """
+        name = "barrier"
+        self._check_open(name)
+        self._verify(name)
+        group = self._group
+        return self._launch(
+            name, lambda: dist.barrier(group=group, async_op=True), lambda: None
+        )
+
+    def allreduce_coalesced(
+        self, tensors: Sequence[torch.Tensor], op: _ops.ReduceOpLike = "sum"
+    ) -> Handle[list[torch.Tensor]]:
+        """Reduce many tensors in place with one collective per dtype.
+
+        The tensors of each dtype are packed into one flat buffer, reduced
+        together, and copied back: for many small tensors this costs a
+        fraction of one allreduce each.
+
+        Returns:
+            A handle whose result is ``tensors`` (the same list), reduced.
+        """
+        name = "allreduce_coalesced"
+        self._check_open(name)
+        items = self._tensor_list(tensors, name, "tensors")
+        op_name = _ops.reduction_name(op, collective=name)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in items:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        reductions = {
+            dtype: _ops.reduction(op, dtype, backend=self._backend, collective=name)
+            for dtype in by_dtype
+        }
+        self._verify(name, items, reduce=op_name)
+        parts = []
+        for dtype, bucket in by_dtype.items():
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+
+            def unpack(flat: torch.Tensor = flat, bucket: list[torch.Tensor] = bucket) -> None:
+                offset = 0
+                for tensor in bucket:
+                    count = tensor.numel()
+                    tensor.copy_(flat[offset : offset + count].view_as(tensor))
+                    offset += count
+
+            parts.append(self._allreduce(name, flat, reductions[dtype], unpack))
+        result = tensors if isinstance(tensors, list) else items
+        return combined(name, parts, lambda _: result)
+
+    # -- object collectives ------------------------------------------------------------
+
+    def broadcast_object(
+        self, obj: Any, src: int = 0, *, allowed: Iterable[Any] | None = None
+    ) -> Handle[Any]:
+        """Send a picklable object from rank ``src`` to every rank.
+
+        Object traffic runs on a side group, in program order, on one thread
+        per session; the call itself only pickles (on ``src``) and queues.
+
+        Args:
+            allowed: restrict what receivers may unpickle to plain data plus
+                these classes/functions (or ``"module.Name"`` strings); ``None``
+                trusts every peer. See the security page.
+
+        Returns:
+            A handle whose result is the object (unpickled on every rank but ``src``).
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled (on ``src``).
+            pickle.UnpicklingError: (from the handle) a refused global.
+        """
+        name = "broadcast_object"
+        self._check_open(name)
+        self._root(src, name, "src")
+        allow = _pickle.allow_list(allowed)
+        mine = self._rank == src
+        payload = _pickle.dumps(obj, op=name) if mine else b""
+        self._verify(name, root=src)
+        group = self._side_group("objects")
+        received: list[bytes] = []
+
+        def exchange() -> None:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            dist.broadcast(size, group=group, group_src=src)
+            if mine:
+                buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            else:
+                buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+            if buffer.numel():
+                dist.broadcast(buffer, group=group, group_src=src)
+            received.append(_tensor_bytes(buffer))
+
+        def finish() -> Any:
+            return obj if mine else _pickle.loads(received[0], allow)
+
+        return self._launch_steps(name, exchange, finish)
+
+    def all_gather_object(
+        self, obj: Any, *, allowed: Iterable[Any] | None = None
+    ) -> Handle[list[Any]]:
+        """Gather a picklable object from every rank.
+
+        Returns:
+            A handle whose result is the list of every rank's object, by rank
+            (this rank's own entry is ``obj`` itself).
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled.
+            pickle.UnpicklingError: (from the handle) a refused global.
+        """
+        name = "all_gather_object"
+        self._check_open(name)
+        allow = _pickle.allow_list(allowed)
+        payload = _pickle.dumps(obj, op=name)
+        self._verify(name)
+        group, world, me = self._side_group("objects"), self._world_size, self._rank
+        received: list[bytes] = []
+
+        def exchange() -> None:
+            sizes = torch.empty(world, dtype=torch.int64)
+            dist.all_gather_single(
+                sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group
+            )
+            longest = int(sizes.max().item())
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            everyone = torch.empty(world * longest, dtype=torch.uint8)
+            dist.all_gather_single(everyone, mine, group=group)
+            for rank in range(world):
+                start = rank * longest
+                received.append(_tensor_bytes(everyone[start : start + int(sizes[rank])]))
+
+        def finish() -> list[Any]:
+            return [
+                obj if rank == me else _pickle.loads(data, allow)
+                for rank, data in enumerate(received)
+            ]
+
+        return self._launch_steps(name, exchange, finish)
+
+    def _launch_steps(
+        self, name: str, exchange: Callable[[], None], finish: Callable[[], T]
+    ) -> Handle[T]:
+        """Queue a multi-step exchange on the session's object thread."""
+        assert self._completer is not None
+        handle: Handle[T] = Handle._create(name, self._health, finish)
+        self._completer.submit("objects", lambda: handle._settle(exchange))
+        self._outstanding.append(handle)
+        return handle
+
+    # -- argument checks ----------------------------------------------------------------
+
+    def _tensor_list(
+        self, tensors: Any, op: str, what: str, length: int | None = None
+    ) -> list[torch.Tensor]:
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(f"{op}: {what} must be a list of tensors, not {type(tensors).__name__}")
+        if length is not None and len(tensors) != length:
+            raise ValueError(f"{op}: {what} must hold {length} tensors (one per rank), not {len(tensors)}")
+        return [self._tensor(t, op, f"{what}[{i}]") for i, t in enumerate(tensors)]
+
+    def _peer(self, value: Any, op: str, what: str) -> int:
+        peer = self._root(value, op, what)
+        if peer == self._rank:
+            raise ValueError(f"{op}: {what}={peer} is this rank; a rank cannot {op} to itself")
+        return peer
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU uint8 tensor (no numpy needed)."""
+    tensor = tensor.contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b""

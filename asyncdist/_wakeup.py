@@ -15,6 +15,7 @@ This is the only module that knows which event loop is running.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -82,3 +83,19 @@ async def _wait_trio(add_callback: Callable[[Callback], None], remove: Callable[
 
     add_callback(wake)
     await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+def current_issuer() -> str:
+    """Who is issuing a collective: the running task, or else the thread."""
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return f"thread {threading.get_ident()}"
+    if library == "trio":
+        import trio
+
+        task = trio.lowlevel.current_task()
+        return f"trio task {task.name!r} ({id(task):#x})"
+    task = asyncio.current_task()
+    name = task.get_name() if task is not None else "?"
+    return f"asyncio task {name!r} ({id(task):#x})"

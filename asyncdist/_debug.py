@@ -1,0 +1,106 @@
+"""Debug mode: fingerprints of collectives, compared across ranks before launch.
+
+With ``DistSession(debug=True)`` (or ``ASYNCDIST_DEBUG=1``), every collective
+first exchanges a fixed-size fingerprint (sequence number, op, shapes, dtypes,
+reduce op, root) over a group of its own, where every message has the same
+size, so a disagreement never reaches gloo (which may abort the whole process
+from C++ on a size mismatch). If the fingerprints differ, every rank raises
+:class:`~asyncdist.CollectiveMismatch` naming both sides, and nothing is
+launched.
+
+This module is pure: it builds, encodes and compares fingerprints; the
+session does the exchange.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+FINGERPRINT_BYTES = 1024
+
+
+def describe(tensor: torch.Tensor) -> str:
+    """``float32[4, 2]`` (``float32[]`` for a scalar)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}[{', '.join(str(d) for d in tensor.shape)}]"
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank is about to issue, in rank-independent terms."""
+
+    seq: int
+    op: str
+    tensors: Sequence[str] = ()
+    reduce: str = ""
+    root: int | None = None
+    conflict: str = ""  # set when this rank saw two tasks issue concurrently
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        data = json.dumps(asdict(self), separators=(",", ":")).encode()
+        if len(data) > FINGERPRINT_BYTES - 4:
+            # too many tensors to list: keep the count and a digest of the list
+            digest = f"{len(self.tensors)} tensors, hash {hash(tuple(self.tensors)) & 0xFFFFFFFF:08x}"
+            short = Fingerprint(self.seq, self.op, (digest,), self.reduce, self.root, self.conflict)
+            data = json.dumps(asdict(short), separators=(",", ":")).encode()[: FINGERPRINT_BYTES - 4]
+        return len(data).to_bytes(4, "little") + data.ljust(FINGERPRINT_BYTES - 4, b"\0")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Fingerprint:
+        size = int.from_bytes(raw[:4], "little")
+        fields = json.loads(raw[4 : 4 + size].decode())
+        fields["tensors"] = tuple(fields["tensors"])
+        return cls(**fields)
+
+
+def _what(fp: Fingerprint) -> str:
+    parts = [fp.op]
+    if fp.tensors:
+        parts.append("of " + ", ".join(fp.tensors))
+    if fp.reduce:
+        parts.append(f"({fp.reduce})")
+    if fp.root is not None:
+        parts.append(f"with root {fp.root}")
+    return " ".join(parts)
+
+
+def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
+    """A message naming both sides of the first disagreement, or ``None``."""
+    for rank, fp in enumerate(fingerprints):
+        if fp.conflict:
+            return (
+                f"rank {rank} issued collectives on one session from two tasks at once "
+                f"({fp.conflict}); the order they interleave in differs between ranks. "
+                "Issue from one task, or give each task its own group with split()."
+            )
+    first = fingerprints[0]
+    for rank, fp in enumerate(fingerprints[1:], start=1):
+        if fp == first:
+            continue
+        if fp.seq != first.seq:
+            return (
+                f"collective #{first.seq} ({_what(first)}) on rank 0 meets collective "
+                f"#{fp.seq} ({_what(fp)}) on rank {rank}: the ranks issued different "
+                "numbers of collectives"
+            )
+        if fp.op != first.op:
+            detail = f"{first.op} on rank 0 vs {fp.op} on rank {rank}"
+        elif fp.tensors != first.tensors:
+            detail = (
+                f"{first.op} of {', '.join(first.tensors) or 'nothing'} on rank 0 vs "
+                f"{', '.join(fp.tensors) or 'nothing'} on rank {rank}"
+            )
+        elif fp.reduce != first.reduce:
+            detail = f"{first.op} with op {first.reduce} on rank 0 vs {fp.reduce} on rank {rank}"
+        elif fp.root != first.root:
+            detail = f"{first.op} with root {first.root} on rank 0 vs {fp.root} on rank {rank}"
+        else:
+            detail = f"{_what(first)} on rank 0 vs {_what(fp)} on rank {rank}"
+        return f"collective #{first.seq}: {detail}"
+    return None

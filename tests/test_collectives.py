@@ -1,0 +1,251 @@
+"""Every collective of the design table, on 2, 3 and 4 gloo ranks, against hand values.
+
+One spawn per world size computes everything (spawning costs seconds); each
+test then checks one collective.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncdist import DistSession, Handle, spawn, wait_all
+
+pytestmark = pytest.mark.timeout(120)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.complex64]
+
+
+def _value(rank: int, dtype: torch.dtype, n: int = 3) -> torch.Tensor:
+    """Rank r holds [r+1, r+2, ...] (times 1+1j for complex)."""
+    base = torch.arange(n, dtype=torch.float64) + rank + 1
+    if dtype.is_complex:
+        return (base * (1 + 1j)).to(dtype)
+    return base.to(dtype)
+
+
+def _surface(s: DistSession) -> dict[str, Any]:
+    r, w = s.rank, s.world_size
+    out: dict[str, Any] = {}
+    for dtype in DTYPES:
+        t = _value(r, dtype)
+        out[f"allreduce_sum_{dtype}"] = s.allreduce(t).wait().to(torch.complex128).tolist()
+        if dtype.is_floating_point or dtype.is_complex:
+            t = _value(r, dtype)
+            out[f"allreduce_mean_{dtype}"] = s.allreduce(t, "mean").wait().to(torch.complex128).tolist()
+        b = _value(r, dtype)
+        out[f"broadcast_{dtype}"] = s.broadcast(b, src=w - 1).wait().to(torch.complex128).tolist()
+    out["allreduce_empty"] = s.allreduce(torch.empty(0)).wait().tolist()
+    out["allreduce_one"] = s.allreduce(torch.tensor([float(r)])).wait().tolist()
+    out["allreduce_scalar"] = s.allreduce(torch.tensor(float(r))).wait().item()
+    out["all_gather"] = [t.tolist() for t in s.all_gather(torch.tensor([r, 10 * r])).wait()]
+    out["all_gather_2d"] = [t.shape for t in s.all_gather(torch.zeros(2, 3)).wait()]
+    out["all_gather_bf16"] = [t.float().tolist() for t in s.all_gather(torch.tensor([r + 0.5], dtype=torch.bfloat16)).wait()]
+    rows = torch.arange(2 * w, dtype=torch.float32).reshape(w, 2) * (r + 1)
+    out["reduce_scatter"] = s.reduce_scatter(rows).wait().tolist()
+    out["reduce_scatter_mean"] = s.reduce_scatter(torch.ones(w) * (r + 1), op="mean").wait().tolist()
+    out["reduce_scatter_flat"] = s.reduce_scatter(torch.ones(1, 2 * w)).wait().tolist()
+    sends = [torch.tensor([100 * r + j]) for j in range(w)]
+    out["all_to_all"] = [t.tolist() for t in s.all_to_all(sends).wait()]
+    red = torch.tensor([float(r + 1)])
+    out["reduce"] = s.reduce(red, dst=w - 1).wait().tolist()
+    out["reduce_mean"] = s.reduce(torch.tensor([float(r + 1)]), dst=0, op="mean").wait().tolist()
+    gathered = s.gather(torch.tensor([r * r]), dst=1).wait()
+    out["gather"] = None if gathered is None else [t.tolist() for t in gathered]
+    chunks = [torch.tensor([7.0 * j, 1.0]) for j in range(w)] if r == 0 else None
+    out["scatter"] = s.scatter(torch.zeros(2), chunks, src=0).wait().tolist()
+    out["barrier"] = s.barrier().wait()
+    # ring of send/recv, issued before either is waited on
+    right, left = (r + 1) % w, (r - 1) % w
+    inbox = torch.zeros(2)
+    hs = s.send(torch.tensor([float(r), 1.0]), dst=right)
+    hr = s.recv(inbox, src=left)
+    out["send"] = hs.wait()
+    out["recv"] = hr.wait().tolist()
+    mixed = [torch.ones(2) * r, torch.tensor([r], dtype=torch.int64), torch.ones(2, 2) * 2,
+             torch.tensor([r + 0.5], dtype=torch.float16)]
+    result = s.allreduce_coalesced(mixed, op="sum").wait()
+    out["coalesced_same_list"] = result is mixed
+    out["coalesced"] = [t.float().tolist() for t in mixed]
+    out["coalesced_empty"] = s.allreduce_coalesced([]).wait()
+    one = [torch.ones(3)]
+    out["coalesced_one_mean"] = s.allreduce_coalesced(one, op="mean").wait()[0].tolist()
+    out["broadcast_object"] = s.broadcast_object({"from": r, "items": [1, 2]}, src=w - 1).wait()
+    out["all_gather_object"] = s.all_gather_object(("rank", r)).wait()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def surface(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    world = int(request.param)
+    return world, spawn(_surface, world, timeout=60)
+
+
+def _sum_of_values(w: int, dtype: torch.dtype) -> list[complex]:
+    total = sum(_value(r, torch.complex128 if dtype.is_complex else torch.float64) for r in range(w))
+    return total.to(torch.complex128).tolist()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce_sum_and_mean(surface: tuple[int, list[dict[str, Any]]], dtype: torch.dtype) -> None:
+    w, results = surface
+    total = _sum_of_values(w, dtype)
+    for out in results:
+        assert out[f"allreduce_sum_{dtype}"] == pytest.approx(total, rel=1e-2)
+        if f"allreduce_mean_{dtype}" in out:
+            assert out[f"allreduce_mean_{dtype}"] == pytest.approx([v / w for v in total], rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast(surface: tuple[int, list[dict[str, Any]]], dtype: torch.dtype) -> None:
+    w, results = surface
+    expected = _value(w - 1, dtype).to(torch.complex128).tolist()
+    for out in results:
+        assert out[f"broadcast_{dtype}"] == expected
+
+
+def test_allreduce_edge_sizes(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    for out in results:
+        assert out["allreduce_empty"] == []
+        assert out["allreduce_one"] == [float(sum(range(w)))]
+        assert out["allreduce_scalar"] == float(sum(range(w)))
+
+
+def test_all_gather(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    for out in results:
+        assert out["all_gather"] == [[r, 10 * r] for r in range(w)]
+        assert out["all_gather_2d"] == [torch.Size([2, 3])] * w
+        assert out["all_gather_bf16"] == [[r + 0.5] for r in range(w)]
+
+
+def test_reduce_scatter(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    factor = sum(r + 1 for r in range(w))
+    for rank, out in enumerate(results):
+        assert out["reduce_scatter"] == [[(2 * rank) * factor, (2 * rank + 1) * factor]]
+        assert out["reduce_scatter_mean"] == [factor / w]
+        assert out["reduce_scatter_flat"] == [float(w)] * 2
+
+
+def test_all_to_all(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    for rank, out in enumerate(results):
+        assert out["all_to_all"] == [[100 * j + rank] for j in range(w)]
+
+
+def test_reduce(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    total = float(sum(r + 1 for r in range(w)))
+    assert results[w - 1]["reduce"] == [total]
+    assert results[0]["reduce_mean"] == [total / w]
+
+
+def test_gather(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    for rank, out in enumerate(results):
+        expected = [[r * r] for r in range(w)] if rank == 1 else None
+        assert out["gather"] == expected
+
+
+def test_scatter(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    _, results = surface
+    for rank, out in enumerate(results):
+        assert out["scatter"] == [7.0 * rank, 1.0]
+
+
+def test_barrier_send_recv(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    for rank, out in enumerate(results):
+        assert out["barrier"] is None
+        assert out["send"] is None
+        assert out["recv"] == [float((rank - 1) % w), 1.0]
+
+
+def test_allreduce_coalesced(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    s = float(sum(range(w)))
+    for out in results:
+        assert out["coalesced_same_list"]
+        assert out["coalesced"] == [[s, s], [s], [[2.0 * w] * 2] * 2, [s + 0.5 * w]]
+        assert out["coalesced_empty"] == []
+        assert out["coalesced_one_mean"] == [1.0, 1.0, 1.0]
+
+
+def test_object_collectives(surface: tuple[int, list[dict[str, Any]]]) -> None:
+    w, results = surface
+    for out in results:
+        assert out["broadcast_object"] == {"from": w - 1, "items": [1, 2]}
+        assert out["all_gather_object"] == [("rank", r) for r in range(w)]
+
+
+# -- many handles -------------------------------------------------------------------
+
+
+async def _many_handles(s: DistSession, seed: int) -> bool:
+    count = 300
+    tensors = [torch.full((8,), float(i + s.rank)) for i in range(count)]
+    handles: list[Handle[torch.Tensor]] = []
+    for i, t in enumerate(tensors):
+        handles.append(s.allreduce(t) if i % 3 else s.broadcast(t, src=i % s.world_size))
+    order = list(range(count))
+    random.Random(seed + s.rank).shuffle(order)  # each rank awaits in its own order
+    for i in order:
+        await handles[i]
+    for i, t in enumerate(tensors):
+        if i % 3:
+            expected = sum(i + r for r in range(s.world_size))
+        else:
+            expected = i + i % s.world_size
+        assert torch.equal(t, torch.full((8,), float(expected))), i
+    await wait_all(handles)
+    await anyio.sleep(0)
+    return True
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_300_handles_awaited_in_random_order(backend: str) -> None:
+    assert spawn(_many_handles, 3, args=(7,), async_backend=backend) == [True] * 3
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+def _bad_inputs(s: DistSession) -> list[str]:
+    bad = [
+        (lambda: s.all_gather([1]), TypeError),
+        (lambda: s.reduce_scatter(torch.ones(3)), ValueError),  # 3 does not split in 2
+        (lambda: s.all_to_all([torch.ones(1)]), ValueError),  # one tensor for two ranks
+        (lambda: s.all_to_all(torch.ones(2)), TypeError),
+        (lambda: s.reduce(torch.ones(1), dst=2), ValueError),
+        (lambda: s.gather(torch.ones(1), dst=-1), ValueError),
+        (lambda: s.scatter(torch.ones(1), None, src=s.rank), ValueError),
+        (lambda: s.scatter(torch.ones(1), [torch.ones(2)] * 2, src=s.rank), ValueError),
+        (lambda: s.send(torch.ones(1), dst=s.rank), ValueError),
+        (lambda: s.recv(torch.ones(1), src=5), ValueError),
+        (lambda: s.allreduce_coalesced([torch.ones(1), "x"]), TypeError),
+        (lambda: s.allreduce_coalesced([torch.ones(1, dtype=torch.int64)], op="mean"), ValueError),
+        (lambda: s.allreduce_coalesced([], op="bogus"), ValueError),
+        (lambda: s.broadcast_object(lambda: 1, src=s.rank), TypeError),
+        (lambda: s.broadcast_object(1, src=2), ValueError),
+    ]
+    messages = []
+    for call, error in bad:
+        with pytest.raises(error) as info:
+            call()
+        messages.append(str(info.value))
+    assert len(s._outstanding) == 0 or all(h.done() for h in s._outstanding)
+    t = torch.ones(2)
+    s.allreduce(t).wait()  # still usable, and still in step with the peer
+    assert t.tolist() == [2.0, 2.0]
+    return messages
+
+
+def test_bad_inputs_fail_before_launch() -> None:
+    messages = spawn(_bad_inputs, 2, timeout=20)[0]
+    assert all(messages)

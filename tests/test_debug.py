@@ -1,0 +1,104 @@
+"""debug=True: mismatched collectives raise CollectiveMismatch on every rank."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncdist import CollectiveMismatch, DistSession, spawn
+from asyncdist._debug import Fingerprint, mismatch
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _mismatch(s: DistSession, case: str) -> str:
+    r = s.rank
+    calls: dict[str, Callable[[], Any]] = {
+        "shape": lambda: s.allreduce(torch.ones(4 if r == 0 else 8)),
+        "dtype": lambda: s.allreduce(torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64)),
+        "op": lambda: s.allreduce(torch.ones(4)) if r == 0 else s.broadcast(torch.ones(4)),
+        "reduce": lambda: s.allreduce(torch.ones(4), op="sum" if r == 0 else "max"),
+        "root": lambda: s.broadcast(torch.ones(4), src=r),
+        "count": lambda: (s.barrier() if r == 0 else None, s.allreduce(torch.ones(4)))[1],
+    }
+    try:
+        calls[case]().wait()
+    except CollectiveMismatch as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("no mismatch detected")
+    # nothing was launched: the session is still in step and usable
+    t = torch.ones(2)
+    s.allreduce(t).wait()
+    assert t.tolist() == [2.0, 2.0]
+    return message
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("shape", "allreduce of float32[4] on rank 0 vs float32[8] on rank 1"),
+        ("dtype", "allreduce of float32[4] on rank 0 vs float64[4] on rank 1"),
+        ("op", "allreduce on rank 0 vs broadcast on rank 1"),
+        ("reduce", "allreduce with op sum on rank 0 vs max on rank 1"),
+        ("root", "broadcast with root 0 on rank 0 vs 1 on rank 1"),
+        ("count", "barrier on rank 0 vs allreduce on rank 1"),
+    ],
+)
+def test_mismatch_raises_on_every_rank_naming_both_sides(case: str, expected: str) -> None:
+    messages = spawn(_mismatch, 2, args=(case,), timeout=20, debug=True)
+    for message in messages:
+        assert expected in message
+
+
+async def _two_tasks(s: DistSession) -> str:
+    """Two tasks issuing on one session at once: an error, not a hang."""
+    if s.rank == 1:
+        await anyio.sleep(0.5)  # keep rank 0's first handle pending
+    errors: list[str] = []
+
+    async def loop(tag: int) -> None:
+        try:
+            for _ in range(3):
+                await s.allreduce(torch.ones(4) * tag)
+                await anyio.sleep(0)
+        except CollectiveMismatch as exc:
+            errors.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loop, 1)
+        tg.start_soon(loop, 2)
+    return errors[0] if errors else ""
+
+
+def test_concurrent_issuers_are_an_error_in_debug_mode() -> None:
+    t0 = time.monotonic()
+    messages = spawn(_two_tasks, 2, timeout=10, debug=True)
+    assert any("two tasks at once" in m for m in messages), messages
+    assert time.monotonic() - t0 < 60
+
+
+def test_debug_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCDIST_DEBUG", "1")
+    with DistSession() as s:
+        assert s._debug
+        s.allreduce(torch.ones(1)).wait()
+    monkeypatch.setenv("ASYNCDIST_DEBUG", "0")
+    assert not DistSession()._debug
+
+
+def test_fingerprint_round_trip_and_long_lists() -> None:
+    fp = Fingerprint(3, "allreduce", ("float32[4]",), "sum", None)
+    assert Fingerprint.decode(fp.encode()) == fp
+    many = Fingerprint(1, "allreduce_coalesced", tuple(f"float32[{i}]" for i in range(500)))
+    raw = many.encode()
+    assert len(raw) == len(fp.encode())
+    other = Fingerprint(1, "allreduce_coalesced", tuple(f"float32[{i}]" for i in range(501)))
+    decoded = [Fingerprint.decode(raw), Fingerprint.decode(other.encode())]
+    assert mismatch(decoded) is not None
+    assert mismatch([fp, fp]) is None
