@@ -46,9 +46,13 @@ class Fingerprint:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
         if len(data) > FINGERPRINT_BYTES - 4:
             # too many tensors to list: keep the count and a digest of the list
-            digest = f"{len(self.tensors)} tensors, hash {hash(tuple(self.tensors)) & 0xFFFFFFFF:08x}"
+            digest = (
+                f"{len(self.tensors)} tensors, hash {hash(tuple(self.tensors)) & 0xFFFFFFFF:08x}"
+            )
             short = Fingerprint(self.seq, self.op, (digest,), self.reduce, self.root, self.conflict)
-            data = json.dumps(asdict(short), separators=(",", ":")).encode()[: FINGERPRINT_BYTES - 4]
+            data = json.dumps(asdict(short), separators=(",", ":")).encode()[
+                : FINGERPRINT_BYTES - 4
+            ]
         return len(data).to_bytes(4, "little") + data.ljust(FINGERPRINT_BYTES - 4, b"\0")
 
     @classmethod

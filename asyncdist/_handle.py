@@ -522,4 +522,3 @@ def combined(op: str, parts: Iterable[Handle[Any]], combine: Callable[[list[Any]
     self._parts = tuple(parts)
     self._combine = combine
     return self  # type: ignore[return-value]
-

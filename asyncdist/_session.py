@@ -74,7 +74,7 @@ def _choose_device(device: Any, backend: str | None, local_rank: int) -> torch.d
     CUDA is present, else CPU.  Never ``rank % device_count``."""
     if device is not None:
         chosen = torch.device(device)
-        if chosen.type == "cuda" and chosen.index is None:
+        if str(chosen) == "cuda":  # no index: this process's LOCAL_RANK
             chosen = torch.device("cuda", local_rank)
     elif backend == "gloo":
         return torch.device("cpu")
@@ -145,12 +145,8 @@ class DistSession:
     ) -> None:
         self._requested_backend = backend
         self._init_method = init_method
-        self._requested = {
-            "rank": rank,
-            "world_size": world_size,
-            "master_addr": master_addr,
-            "master_port": master_port,
-        }
+        self._requested_rank, self._requested_world = rank, world_size
+        self._requested_master = (master_addr, master_port)
         self._timeout = _seconds(timeout)
         self._requested_device = device
         self._debug = debug or os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
@@ -290,8 +286,10 @@ class DistSession:
     def _adopt(self) -> None:
         group = dist.group.WORLD
         rank, world = dist.get_rank(), dist.get_world_size()
-        for name, actual in (("rank", rank), ("world_size", world)):
-            wanted = self._requested[name]
+        for name, actual, wanted in (
+            ("rank", rank, self._requested_rank),
+            ("world_size", world, self._requested_world),
+        ):
             if wanted is not None and wanted != actual:
                 raise InitError(
                     f"the default process group is already initialised with {name}={actual}, "
@@ -308,7 +306,12 @@ class DistSession:
         self._owns_group = False
 
     def _init_group(self) -> None:
-        env = detect(**self._requested)
+        env = detect(
+            rank=self._requested_rank,
+            world_size=self._requested_world,
+            master_addr=self._requested_master[0],
+            master_port=self._requested_master[1],
+        )
         device = _choose_device(self._requested_device, self._requested_backend, env.local_rank)
         backend = _choose_backend(self._requested_backend, device)
         if device.type == "cuda":
@@ -336,9 +339,7 @@ class DistSession:
             raise
         except (RuntimeError, OSError, ValueError) as exc:
             self._owned_store = None
-            where = (
-                self._init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
-            )
+            where = self._init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
             raise InitError(
                 f"rank {env.rank} of {env.world_size} could not form a {backend} group via "
                 f"{where} within {self._timeout:g} s ({exc}). Check that all "
@@ -452,7 +453,9 @@ class DistSession:
                 group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self._timeout))
                 if block == mine:
                     own_group = group
-        sub = DistSession(self._backend, timeout=self._timeout, device=self._device, debug=self._debug)
+        sub = DistSession(
+            self._backend, timeout=self._timeout, device=self._device, debug=self._debug
+        )
         sub._parent = self
         sub._state = State.OPEN
         sub._group = own_group
@@ -557,9 +560,9 @@ class DistSession:
             return
         issuer = _wakeup.current_issuer()
         conflict = ""
-        if self._last_issuer and issuer != self._last_issuer:
-            if any(not handle.done() for handle in self._outstanding):
-                conflict = f"{self._last_issuer} and {issuer}"
+        switched = self._last_issuer and issuer != self._last_issuer
+        if switched and any(not handle.done() for handle in self._outstanding):
+            conflict = f"{self._last_issuer} and {issuer}"
         self._last_issuer = issuer
         self._seq += 1
         mine = Fingerprint(
@@ -584,7 +587,9 @@ class DistSession:
 
     # -- collectives -----------------------------------------------------------------
 
-    def allreduce(self, tensor: torch.Tensor, op: _ops.ReduceOpLike = "sum") -> Handle[torch.Tensor]:
+    def allreduce(
+        self, tensor: torch.Tensor, op: _ops.ReduceOpLike = "sum"
+    ) -> Handle[torch.Tensor]:
         """Reduce ``tensor`` across all ranks, in place.
 
         Args:
@@ -886,9 +891,7 @@ class DistSession:
         self._check_open(name)
         self._verify(name)
         group = self._group
-        return self._launch(
-            name, lambda: dist.barrier(group=group, async_op=True), lambda: None
-        )
+        return self._launch(name, lambda: dist.barrier(group=group, async_op=True), lambda: None)
 
     def allreduce_coalesced(
         self, tensors: Sequence[torch.Tensor], op: _ops.ReduceOpLike = "sum"
@@ -1038,7 +1041,9 @@ class DistSession:
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"{op}: {what} must be a list of tensors, not {type(tensors).__name__}")
         if length is not None and len(tensors) != length:
-            raise ValueError(f"{op}: {what} must hold {length} tensors (one per rank), not {len(tensors)}")
+            raise ValueError(
+                f"{op}: {what} must hold {length} tensors (one per rank), not {len(tensors)}"
+            )
         return [self._tensor(t, op, f"{what}[{i}]") for i, t in enumerate(tensors)]
 
     def _peer(self, value: Any, op: str, what: str) -> int:

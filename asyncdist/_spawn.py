@@ -81,7 +81,7 @@ def _child(
         message = ("error", exc, traceback.format_exc())
     try:
         conn.send(message)
-    except Exception as exc:  # an unpicklable result or exception
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception
         conn.send(("error", AsyncDistError(f"rank {rank}: {exc}"), traceback.format_exc()))
     conn.close()
 
@@ -140,7 +140,16 @@ def spawn(
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
-                args=(fn, tuple(args), rank, world_size, store.port, options, async_backend, sender),
+                args=(
+                    fn,
+                    tuple(args),
+                    rank,
+                    world_size,
+                    store.port,
+                    options,
+                    async_backend,
+                    sender,
+                ),
                 name=f"asyncdist-rank{rank}",
                 daemon=True,
             )

@@ -24,7 +24,9 @@ import sniffio
 Callback = Callable[[], None]
 
 
-async def wait_for(add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]) -> None:
+async def wait_for(
+    add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]
+) -> None:
     """Sleep until ``add_callback``'s callback fires (from any thread).
 
     A cancel point on both loops: cancelling the waiting task removes the
@@ -41,7 +43,9 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def _wait_asyncio(add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]) -> None:
+async def _wait_asyncio(
+    add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]
+) -> None:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
 
@@ -58,7 +62,9 @@ async def _wait_asyncio(add_callback: Callable[[Callback], None], remove: Callab
         remove(wake)
 
 
-async def _wait_trio(add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]) -> None:
+async def _wait_trio(
+    add_callback: Callable[[Callback], None], remove: Callable[[Callback], None]
+) -> None:
     import trio
 
     task = trio.lowlevel.current_task()
@@ -94,8 +100,8 @@ def current_issuer() -> str:
     if library == "trio":
         import trio
 
-        task = trio.lowlevel.current_task()
-        return f"trio task {task.name!r} ({id(task):#x})"
+        trio_task = trio.lowlevel.current_task()
+        return f"trio task {trio_task.name!r} ({id(trio_task):#x})"
     task = asyncio.current_task()
     name = task.get_name() if task is not None else "?"
     return f"asyncio task {name!r} ({id(task):#x})"

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common  # noqa: E402
+import _common
 
 SIZES = [4, 1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26]  # bytes
 
@@ -68,7 +68,9 @@ def _rank(session: Any, reps: int, sizes: list[int]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=300, help="ops per method and size (fewer for big sizes)")
+    parser.add_argument(
+        "--reps", type=int, default=300, help="ops per method and size (fewer for big sizes)"
+    )
     parser.add_argument("--max-mib", type=float, default=64)
     args = parser.parse_args(argv)
     import asyncdist

@@ -10,6 +10,7 @@ import random
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -36,7 +37,9 @@ def _surface(s: DistSession) -> dict[str, Any]:
         out[f"allreduce_sum_{dtype}"] = s.allreduce(t).wait().to(torch.complex128).tolist()
         if dtype.is_floating_point or dtype.is_complex:
             t = _value(r, dtype)
-            out[f"allreduce_mean_{dtype}"] = s.allreduce(t, "mean").wait().to(torch.complex128).tolist()
+            out[f"allreduce_mean_{dtype}"] = (
+                s.allreduce(t, "mean").wait().to(torch.complex128).tolist()
+            )
         b = _value(r, dtype)
         out[f"broadcast_{dtype}"] = s.broadcast(b, src=w - 1).wait().to(torch.complex128).tolist()
     out["allreduce_empty"] = s.allreduce(torch.empty(0)).wait().tolist()
@@ -44,10 +47,15 @@ def _surface(s: DistSession) -> dict[str, Any]:
     out["allreduce_scalar"] = s.allreduce(torch.tensor(float(r))).wait().item()
     out["all_gather"] = [t.tolist() for t in s.all_gather(torch.tensor([r, 10 * r])).wait()]
     out["all_gather_2d"] = [t.shape for t in s.all_gather(torch.zeros(2, 3)).wait()]
-    out["all_gather_bf16"] = [t.float().tolist() for t in s.all_gather(torch.tensor([r + 0.5], dtype=torch.bfloat16)).wait()]
+    out["all_gather_bf16"] = [
+        t.float().tolist()
+        for t in s.all_gather(torch.tensor([r + 0.5], dtype=torch.bfloat16)).wait()
+    ]
     rows = torch.arange(2 * w, dtype=torch.float32).reshape(w, 2) * (r + 1)
     out["reduce_scatter"] = s.reduce_scatter(rows).wait().tolist()
-    out["reduce_scatter_mean"] = s.reduce_scatter(torch.ones(w) * (r + 1), op="mean").wait().tolist()
+    out["reduce_scatter_mean"] = (
+        s.reduce_scatter(torch.ones(w) * (r + 1), op="mean").wait().tolist()
+    )
     out["reduce_scatter_flat"] = s.reduce_scatter(torch.ones(1, 2 * w)).wait().tolist()
     sends = [torch.tensor([100 * r + j]) for j in range(w)]
     out["all_to_all"] = [t.tolist() for t in s.all_to_all(sends).wait()]
@@ -66,8 +74,12 @@ def _surface(s: DistSession) -> dict[str, Any]:
     hr = s.recv(inbox, src=left)
     out["send"] = hs.wait()
     out["recv"] = hr.wait().tolist()
-    mixed = [torch.ones(2) * r, torch.tensor([r], dtype=torch.int64), torch.ones(2, 2) * 2,
-             torch.tensor([r + 0.5], dtype=torch.float16)]
+    mixed = [
+        torch.ones(2) * r,
+        torch.tensor([r], dtype=torch.int64),
+        torch.ones(2, 2) * 2,
+        torch.tensor([r + 0.5], dtype=torch.float16),
+    ]
     result = s.allreduce_coalesced(mixed, op="sum").wait()
     out["coalesced_same_list"] = result is mixed
     out["coalesced"] = [t.float().tolist() for t in mixed]
@@ -86,12 +98,16 @@ def surface(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 
 
 def _sum_of_values(w: int, dtype: torch.dtype) -> list[complex]:
-    total = sum(_value(r, torch.complex128 if dtype.is_complex else torch.float64) for r in range(w))
+    total = sum(
+        _value(r, torch.complex128 if dtype.is_complex else torch.float64) for r in range(w)
+    )
     return total.to(torch.complex128).tolist()  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_allreduce_sum_and_mean(surface: tuple[int, list[dict[str, Any]]], dtype: torch.dtype) -> None:
+def test_allreduce_sum_and_mean(
+    surface: tuple[int, list[dict[str, Any]]], dtype: torch.dtype
+) -> None:
     w, results = surface
     total = _sum_of_values(w, dtype)
     for out in results:
@@ -204,7 +220,7 @@ async def _many_handles(s: DistSession, seed: int) -> bool:
             expected = i + i % s.world_size
         assert torch.equal(t, torch.full((8,), float(expected))), i
     await wait_all(handles)
-    await anyio.sleep(0)
+    await anyio.lowlevel.checkpoint()
     return True
 
 

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 import torch.distributed as dist
@@ -99,7 +100,7 @@ def test_dist_mode_keeps_return_value_and_finalizes_on_error() -> None:
 def test_dist_mode_on_async_functions() -> None:
     @compat.dist_mode
     async def work() -> float:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         handle = compat.allreduce(torch.ones(1), async_op=True)
         assert handle is not None
         return float((await handle)[0])

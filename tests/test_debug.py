@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -20,7 +21,9 @@ def _mismatch(s: DistSession, case: str) -> str:
     r = s.rank
     calls: dict[str, Callable[[], Any]] = {
         "shape": lambda: s.allreduce(torch.ones(4 if r == 0 else 8)),
-        "dtype": lambda: s.allreduce(torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64)),
+        "dtype": lambda: s.allreduce(
+            torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64)
+        ),
         "op": lambda: s.allreduce(torch.ones(4)) if r == 0 else s.broadcast(torch.ones(4)),
         "reduce": lambda: s.allreduce(torch.ones(4), op="sum" if r == 0 else "max"),
         "root": lambda: s.broadcast(torch.ones(4), src=r),
@@ -66,7 +69,7 @@ async def _two_tasks(s: DistSession) -> str:
         try:
             for _ in range(3):
                 await s.allreduce(torch.ones(4) * tag)
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
         except CollectiveMismatch as exc:
             errors.append(str(exc))
 

@@ -76,8 +76,12 @@ def test_explicit_arguments_win() -> None:
 
 
 def test_explicit_master_is_not_the_agent_store() -> None:
-    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1000",
-                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    torchrun = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_PORT": "1000",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
     assert detect(torchrun).agent_store
     assert detect(torchrun, master_port=1000).agent_store
     assert not detect(torchrun, master_port=2000).agent_store, "rank 0 must host its own store"

@@ -58,12 +58,29 @@ def test_compat_surface() -> None:
 
 
 def test_session_surface() -> None:
-    for name in ("rank", "world_size", "local_rank", "backend", "device", "group", "is_main",
-                 "closed"):
+    for name in (
+        "rank",
+        "world_size",
+        "local_rank",
+        "backend",
+        "device",
+        "group",
+        "is_main",
+        "closed",
+    ):
         assert isinstance(inspect.getattr_static(asyncdist.DistSession, name), property)
     params = inspect.signature(asyncdist.DistSession).parameters
-    assert list(params) == ["backend", "init_method", "rank", "world_size", "master_addr",
-                            "master_port", "timeout", "device", "debug"]
+    assert list(params) == [
+        "backend",
+        "init_method",
+        "rank",
+        "world_size",
+        "master_addr",
+        "master_port",
+        "timeout",
+        "device",
+        "debug",
+    ]
 
 
 def test_version_is_a_string() -> None:
