@@ -1,5 +1,6 @@
 """asyncdist: an async-first, context-managed API over ``torch.distributed``."""
 
+from ._grad import GradientSync as GradientSync
 from ._handle import Handle as Handle
 from ._handle import wait_all as wait_all
 from ._session import DistSession as DistSession
@@ -20,6 +21,7 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DistSession",
+    "GradientSync",
     "Handle",
     "InitError",
     "PeerFailure",

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import _ops, _pickle, _wakeup
 from ._debug import Fingerprint, describe, mismatch
 from ._env import LaunchEnv, detect, gloo_on_loopback, is_loopback
+from ._grad import GradientSync
 from ._handle import Completer, Handle, Health, Watchdog, combined
 from ._store import session_store
 from .errors import (
@@ -524,6 +525,29 @@ class DistSession:
 
     def _root(self, value: Any, op: str, what: str) -> int:
         return _ops.check_rank(value, world_size=self._world_size, collective=op, what=what)
+
+    # -- training ---------------------------------------------------------------------
+
+    def gradient_sync(
+        self,
+        module: torch.nn.Module,
+        bucket_mb: float = 25.0,
+        op: str = "mean",
+        *,
+        first_bucket_mb: float = 1.0,
+    ) -> GradientSync:
+        """Average ``module``'s gradients across ranks, overlapped with backward.
+
+        Returns a :class:`GradientSync`; ``await`` it (or ``.wait()``) after
+        ``loss.backward()``. See the "Overlap in training loops" guide.
+
+        Raises:
+            TypeError, ValueError: not a module, or a bad bucket size or op.
+        """
+        self._check_open("gradient_sync")
+        return GradientSync(
+            self, module, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, op=op
+        )
 
     # -- debug mode ----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ EXPECTED = {
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DistSession",
+    "GradientSync",
     "Handle",
     "InitError",
     "PeerFailure",

@@ -1,0 +1,267 @@
+"""GradientSync: bucketed gradient averaging that overlaps with backward.
+
+Gradients are packed into buckets, and each bucket's allreduce is launched
+the moment its last gradient is accumulated, while backward goes on computing
+the next ones.  ``await sync`` (or ``sync.wait()``) launches what is left,
+waits for every bucket and writes the averaged gradients back.
+
+Buckets are the same on every rank, and are launched in bucket order, so the
+stream of collectives is identical everywhere:
+
+* first backward: buckets follow the reverse order of ``module.parameters()``
+  (roughly the order backward produces gradients), with a small first bucket
+  so communication starts early, as DDP does;
+* after it, the buckets are rebuilt from the order gradients actually arrived
+  on rank 0 (broadcast to all ranks once), so later steps fill each bucket
+  with gradients that become ready together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._handle import Handle, wait_all
+
+if TYPE_CHECKING:
+    from ._session import DistSession
+
+MB = 1 << 20
+
+
+class _Bucket:
+    """One flat buffer of gradients of one dtype, reduced by one allreduce."""
+
+    __slots__ = ("buffer", "handle", "offsets", "params", "pending")
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        self.params = params
+        self.offsets: list[int] = []
+        total = 0
+        for param in params:
+            self.offsets.append(total)
+            total += param.numel()
+        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=device)
+        self.pending = len(params)
+        self.handle: Handle[torch.Tensor] | None = None
+
+    def slot(self, index: int) -> torch.Tensor:
+        param = self.params[index]
+        start = self.offsets[index]
+        return self.buffer[start : start + param.numel()].view_as(param)
+
+
+class GradientSync:
+    """Average gradients across ranks, overlapped with backward.
+
+    Made by :meth:`DistSession.gradient_sync`; await it (or ``.wait()``)
+    after ``loss.backward()`` and before ``optimizer.step()``::
+
+        sync = session.gradient_sync(model)
+        sync.broadcast_parameters()          # same start on every rank
+        for x, y in loader:
+            loss_fn(model(x), y).backward()  # buckets reduced during backward
+            await sync                       # every .grad is now the average
+            opt.step(); opt.zero_grad(set_to_none=True)
+
+    Parameters without ``requires_grad`` are left alone; a parameter that got
+    no gradient on this rank in a step counts as a zero gradient, and receives
+    the average of the others. Use it as a context manager (or call
+    :meth:`remove`) to take its hooks off the module.
+    """
+
+    def __init__(
+        self,
+        session: DistSession,
+        module: torch.nn.Module,
+        *,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        op: str = "mean",
+    ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"gradient_sync: module must be a torch.nn.Module, not {type(module).__name__}"
+            )
+        for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"gradient_sync: {name} must be a positive number of MiB, got {value!r}"
+                )
+        if op not in ("mean", "sum"):
+            raise ValueError(f"gradient_sync: op must be 'mean' or 'sum', not {op!r}")
+        self._session = session
+        self._module = module
+        self._op = op
+        self._cap = int(bucket_mb * MB)
+        self._first_cap = int(min(first_bucket_mb, bucket_mb) * MB)
+        seen: set[int] = set()
+        self._params: list[torch.nn.Parameter] = []
+        for param in module.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                self._params.append(param)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, slot)
+        self._build(list(reversed(range(len(self._params)))))
+        self._arrivals: list[int] | None = []  # recorded during the first backward
+        self._ready = [False] * len(self._params)
+        self._next_launch = 0
+        self._enabled = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    # -- buckets ----------------------------------------------------------------------
+
+    def _build(self, order: list[int]) -> None:
+        """Pack parameters, in ``order``, into buckets of one dtype each."""
+        buckets: list[list[torch.nn.Parameter]] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for index in order:
+            param = self._params[index]
+            cap = self._first_cap if not buckets else self._cap
+            nbytes = param.numel() * param.element_size()
+            if current and (size + nbytes > cap or param.dtype != current[0].dtype):
+                buckets.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += nbytes
+        if current:
+            buckets.append(current)
+        device = self._session.device
+        self._buckets = [_Bucket(params, device) for params in buckets]
+        self._where = {
+            self._index[id(param)]: (b, slot)
+            for b, bucket in enumerate(self._buckets)
+            for slot, param in enumerate(bucket.params)
+        }
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes in each bucket, in launch order."""
+        return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
+
+    # -- during backward ----------------------------------------------------------------
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._enabled or param.grad is None:
+            return
+        index = self._index[id(param)]
+        if self._arrivals is not None:
+            self._arrivals.append(index)
+        b, slot = self._where[index]
+        bucket = self._buckets[b]
+        bucket.slot(slot).copy_(param.grad)
+        if not self._ready[index]:  # a second call in one step only refreshes the copy
+            self._ready[index] = True
+            bucket.pending -= 1
+            self._launch_ready()
+
+    def _launch_ready(self, *, everything: bool = False) -> None:
+        """Launch buckets in order while the next one is complete."""
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.pending > 0 and not everything:
+                return
+            if bucket.pending > 0:  # no gradient arrived for some parameters
+                for slot, param in enumerate(bucket.params):
+                    if param.grad is None:
+                        bucket.slot(slot).zero_()
+            bucket.handle = self._session.allreduce(bucket.buffer, op=self._op)
+            self._next_launch += 1
+
+    # -- finishing a step ---------------------------------------------------------------
+
+    def _launch_rest(self) -> list[Handle[torch.Tensor]]:
+        self._launch_ready(everything=True)
+        return [b.handle for b in self._buckets if b.handle is not None]
+
+    def _write_back(self) -> None:
+        for bucket in self._buckets:
+            for slot, param in enumerate(bucket.params):
+                reduced = bucket.slot(slot)
+                if param.grad is None:
+                    param.grad = reduced.clone()
+                else:
+                    param.grad.copy_(reduced)
+            bucket.handle = None
+            bucket.pending = len(bucket.params)
+        self._ready = [False] * len(self._params)
+        self._next_launch = 0
+
+    def _rank0_order(self) -> Handle[list[int]] | None:
+        """After the first step: every rank's bucket order, taken from rank 0's
+        observed arrival order (buckets must be alike on every rank)."""
+        arrivals, self._arrivals = self._arrivals, None
+        if arrivals is None:
+            return None
+        seen = set(arrivals)
+        order = list(dict.fromkeys(arrivals)) + [
+            i for i in reversed(range(len(self._params))) if i not in seen
+        ]
+        return self._session.broadcast_object(order, src=0, allowed=[])
+
+    def wait(self) -> None:
+        """Block until every bucket is reduced and gradients are written back."""
+        if not self._enabled:
+            return
+        wait_all(self._launch_rest()).wait()
+        self._write_back()
+        order = self._rank0_order()
+        if order is not None:
+            self._build(order.wait())
+
+    async def _wait_async(self) -> None:
+        if not self._enabled:
+            return
+        await wait_all(self._launch_rest())
+        self._write_back()
+        order = self._rank0_order()
+        if order is not None:
+            self._build(await order)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait_async().__await__()
+
+    # -- extras -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block;
+        the first synced step after it reduces the accumulated sum."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Copy every parameter and buffer from rank ``src`` to all ranks (blocking)."""
+        tensors = [p.data for p in self._module.parameters()]
+        tensors += [b.data for b in self._module.buffers()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group]).to(self._session.device)
+            self._session.broadcast(flat, src=src).wait()
+            offset = 0
+            for tensor in group:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+    def remove(self) -> None:
+        """Take the hooks off the module. Idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __enter__(self) -> GradientSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

@@ -1,0 +1,132 @@
+"""gradient_sync: averaged gradients equal the hand-computed average of each rank's own."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from asyncdist import DistSession, GradientSync, spawn
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 3)
+        self.frozen = torch.nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Parameter(torch.zeros(4))  # never in the graph
+        self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))  # another dtype
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        return self.frozen(y) * self.scale.float()
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def _local_grads(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, list[float]]:
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    for x, y in batches:
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+    return {n: p.grad.flatten().tolist() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _train(s: DistSession, bucket_mb: float, use_async: bool) -> dict[str, Any]:
+    torch.manual_seed(s.rank)  # different initial weights on each rank...
+    model = Net()
+    sync = s.gradient_sync(model, bucket_mb=bucket_mb, first_bucket_mb=bucket_mb / 2)
+    sync.broadcast_parameters(src=0)  # ...until rank 0's are broadcast
+    out: dict[str, Any] = {
+        "weights": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+    }
+    out["buckets"] = len(sync.bucket_sizes)
+    steps = []
+    for step in range(3):
+        batches = [_batch(s.rank, step)]
+        if step == 2:  # gradient accumulation over two micro-batches
+            batches.append(_batch(s.rank, 10 + step))
+        local = _local_grads(model, batches)
+        model.zero_grad(set_to_none=True)
+        if len(batches) == 2:
+            with sync.no_sync():
+                torch.nn.functional.cross_entropy(model(batches[0][0]), batches[0][1]).backward()
+                sync.wait()  # a no-op inside no_sync
+        x, y = batches[-1]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if use_async:
+            import anyio
+
+            async def finish() -> None:
+                await sync
+
+            anyio.run(finish)
+        else:
+            sync.wait()
+        synced = {
+            n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None
+        }
+        steps.append({"local": local, "synced": synced})
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+    out["steps"] = steps
+    sync.remove()
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(_batch(0, 0)[0]), _batch(0, 0)[1]).backward()
+    out["after_remove_launched"] = any(b.handle is not None for b in sync._buckets)
+    return out
+
+
+@pytest.mark.parametrize(("world", "bucket_mb", "use_async"), [(2, 25.0, False), (3, 0.0005, True)])
+def test_synced_gradients_are_the_average_of_local_ones(
+    world: int, bucket_mb: float, use_async: bool
+) -> None:
+    results = spawn(_train, world, args=(bucket_mb, use_async), timeout=30)
+    assert all(r["weights"] == results[0]["weights"] for r in results), "broadcast_parameters"
+    if bucket_mb < 0.01:
+        assert results[0]["buckets"] > 3, "tiny buckets should split the model"
+    for step in range(3):
+        names = results[0]["steps"][step]["synced"].keys()
+        assert "frozen.weight" not in names, "frozen parameters are left alone"
+        for name in names:
+            per_rank = [r["steps"][step]["local"].get(name) for r in results]
+            per_rank = [
+                v if v is not None else [0.0] * len(results[0]["steps"][step]["synced"][name])
+                for v in per_rank
+            ]
+            expected = [sum(vals) / world for vals in zip(*per_rank)]
+            for r in results:
+                assert r["steps"][step]["synced"][name] == pytest.approx(
+                    expected, rel=1e-5, abs=1e-6
+                ), (step, name)
+        # the never-used parameter gets a zero average, as a zero gradient everywhere
+        assert results[0]["steps"][step]["synced"]["unused"] == [0.0] * 4
+    assert not any(r["after_remove_launched"] for r in results)
+
+
+def test_bad_arguments() -> None:
+    with DistSession() as s:
+        with pytest.raises(TypeError, match="Module"):
+            s.gradient_sync(torch.ones(1))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="bucket_mb"):
+            s.gradient_sync(Net(), bucket_mb=0)
+        with pytest.raises(ValueError, match="op"):
+            s.gradient_sync(Net(), op="max")
+        with s.gradient_sync(Net()) as sync:
+            assert isinstance(sync, GradientSync)
+            assert sync.bucket_sizes[0] <= 1 << 20, "a small first bucket"
