@@ -112,7 +112,10 @@ class GradientSync:
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         self._enabled = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in self._params
+        ]
 
     # -- buckets ----------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ def test_synced_gradients_are_the_average_of_local_ones(
                 v if v is not None else [0.0] * len(results[0]["steps"][step]["synced"][name])
                 for v in per_rank
             ]
-            expected = [sum(vals) / world for vals in zip(*per_rank)]
+            expected = [sum(vals) / world for vals in zip(*per_rank, strict=True)]
             for r in results:
                 assert r["steps"][step]["synced"][name] == pytest.approx(
                     expected, rel=1e-5, abs=1e-6
