@@ -9,13 +9,14 @@ observes completion.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import datetime
 import enum
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -23,12 +24,13 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from . import _ops, _pickle, _wakeup
+from . import _ops, _pickle, _trace, _wakeup
 from ._debug import Fingerprint, describe, mismatch
 from ._env import LaunchEnv, detect, gloo_on_loopback, is_loopback
 from ._grad import GradientSync
 from ._handle import Completer, Handle, Health, Watchdog, combined
 from ._store import session_store
+from ._trace import Tracer, rank_path
 from .errors import (
     AsyncDistError,
     CollectiveMismatch,
@@ -129,6 +131,10 @@ class DistSession:
             CUDA is available, else CPU.
         debug: check before each collective that all ranks issue the same op
             (also ``ASYNCDIST_DEBUG=1``).
+        trace: record every collective's launch and completion and write a
+            Chrome trace per rank when the session ends (``True``:
+            ``asyncdist-trace.rank<r>.json``; a path ``p``: ``p`` with
+            ``.rank<r>`` before its suffix). See also :meth:`trace`.
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class DistSession:
         timeout: float | datetime.timedelta | None = None,
         device: str | torch.device | int | None = None,
         debug: bool = False,
+        trace: bool | str | os.PathLike[str] = False,
     ) -> None:
         self._requested_backend = backend
         self._init_method = init_method
@@ -151,6 +158,10 @@ class DistSession:
         self._timeout = _seconds(timeout)
         self._requested_device = device
         self._debug = debug or os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
+        self._trace_path: str | os.PathLike[str] | None = (
+            None if trace is False else "asyncdist-trace.json" if trace is True else trace
+        )
+        self._tracer: Tracer | None = None
         self._state = State.UNOPENED
         self._rank = 0
         self._world_size = 1
@@ -278,6 +289,8 @@ class DistSession:
             self._init_group()
         self._health = Health(rank=self._rank, timeout=self._timeout)
         self._start_workers()
+        if self._trace_path is not None:
+            self._tracer = Tracer(self._rank)
         self._state = State.OPEN
 
     def _start_workers(self) -> None:
@@ -413,6 +426,8 @@ class DistSession:
             self._parent._children.remove(self)
         self._group = None
         self._owned_store = None
+        if self._tracer is not None and self._trace_path is not None and self._parent is None:
+            _trace.write(rank_path(self._trace_path, self._rank), self._tracer_events())
 
     def close(self) -> None:
         """Leave the session now (as ``with`` does on exit). Closing twice is fine."""
@@ -466,6 +481,7 @@ class DistSession:
         sub._backend, sub._device = self._backend, self._device
         sub._loopback = self._loopback
         sub._health = self._health  # a fault anywhere breaks the whole job
+        sub._tracer = self._tracer
         sub._start_workers()
         self._children.append(sub)
         return sub
@@ -493,6 +509,7 @@ class DistSession:
         finish: Callable[[], T],
         *,
         futureless: str | None = None,
+        nbytes: int = 0,
     ) -> Handle[T]:
         """Issue a collective now and return its handle.
 
@@ -516,6 +533,8 @@ class DistSession:
         else:
             handle = Handle._create(op, self._health, finish, work)
         outstanding.append(handle)
+        if self._tracer is not None:
+            self._tracer.record(handle, nbytes)
         return handle
 
     def _tensor(self, tensor: Any, op: str, what: str = "tensor") -> torch.Tensor:
@@ -548,6 +567,44 @@ class DistSession:
         return GradientSync(
             self, module, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, op=op
         )
+
+    # -- tracing ------------------------------------------------------------------------
+
+    def _tracer_events(self) -> list[list[dict[str, Any]]]:
+        assert self._tracer is not None
+        events = self._tracer.snapshot()
+        return [events if r == self._rank else [] for r in range(self._world_size)]
+
+    @contextlib.contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[None]:
+        """Trace every collective issued inside the block into one Chrome trace.
+
+        Every rank must enter the block. On a normal exit, rank 0 writes
+        ``path`` with all ranks' events (one process per rank); if the block
+        raises, each rank writes its own ``path`` with ``.rank<r>`` inserted.
+        """
+        self._check_open("trace")
+        started = self._tracer is None
+        if started:
+            self._tracer = Tracer(self._rank)
+        tracer = self._tracer
+        assert tracer is not None
+        try:
+            yield
+        except BaseException:
+            _trace.write(rank_path(path, self._rank), self._tracer_events())
+            raise
+        finally:
+            if started:
+                self._tracer = None
+        events = self.all_gather_object(tracer.snapshot(), allowed=[]).wait()
+        if self._rank == 0:
+            _trace.write(path, events)
+
+    def span(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Mark a block of compute (forward, backward...) in the trace, if tracing."""
+        tracer = self._tracer
+        return contextlib.nullcontext() if tracer is None else tracer.span(name)
 
     # -- debug mode ----------------------------------------------------------------
 
@@ -652,7 +709,8 @@ class DistSession:
 
         # The ProcessGroup method directly: torch's dist.all_reduce wrapper
         # re-does the checks made above and costs ~10 µs a call.
-        return self._launch(name, lambda: group.allreduce([wire], options), finish)
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._launch(name, lambda: group.allreduce([wire], options), finish, nbytes=nbytes)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle[torch.Tensor]:
         """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank.
@@ -673,7 +731,10 @@ class DistSession:
         options.rootRank = src
         options.rootTensor = 0
         options.asyncOp = True
-        return self._launch(name, lambda: group.broadcast([tensor], options), lambda: tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._launch(
+            name, lambda: group.broadcast([tensor], options), lambda: tensor, nbytes=nbytes
+        )
 
     def all_gather(self, tensor: torch.Tensor) -> Handle[list[torch.Tensor]]:
         """Gather ``tensor`` from every rank.
@@ -1055,6 +1116,8 @@ class DistSession:
         handle: Handle[T] = Handle._create(name, self._health, finish)
         self._completer.submit("objects", lambda: handle._settle(exchange))
         self._outstanding.append(handle)
+        if self._tracer is not None:
+            self._tracer.record(handle, 0)
         return handle
 
     # -- argument checks ----------------------------------------------------------------
