@@ -81,6 +81,7 @@ def test_session_surface() -> None:
         "timeout",
         "device",
         "debug",
+        "trace",
     ]
 
 
