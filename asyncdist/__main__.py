@@ -1,0 +1,138 @@
+"""The ``asyncdist`` command: ``demo``, ``info`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import _demo
+    from ._spawn import spawn
+
+    if args.steps < 6:
+        raise SystemExit("asyncdist demo: --steps must be at least 6")
+    results = spawn(
+        _demo.train,
+        args.world_size,
+        args=(args.steps, args.bucket_mb),
+        backend=args.backend,
+        timeout=120,
+    )
+    _demo.report(results[0])
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import anyio
+    import torch
+    import torch.distributed as dist
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import __version__
+    from ._env import detect
+    from ._session import _choose_backend, _choose_device
+    from .errors import AsyncDistError
+
+    table = Table(title="what DistSession() would do here", show_header=False)
+    table.add_column("key")
+    table.add_column("value")
+    try:
+        env = detect()
+        device = _choose_device(None, None, env.local_rank)
+        backend = _choose_backend(None, device)
+        where = (
+            f"{env.master_addr}:{env.master_port}"
+            if env.master_port
+            else ("127.0.0.1 (loopback only), port from the OS")
+        )
+        rows = [
+            ("launcher", env.launcher),
+            ("rank / world size", f"{env.rank} / {env.world_size}"),
+            ("local rank", str(env.local_rank)),
+            ("master", where),
+            ("store", "launcher agent's" if env.agent_store else "hosted by rank 0"),
+            ("backend", backend),
+            ("device", str(device)),
+        ]
+    except (AsyncDistError, ValueError) as exc:
+        rows = [("environment", f"[red]{exc}[/]")]
+    rows += [
+        ("asyncdist", __version__),
+        ("torch", torch.__version__),
+        ("anyio", anyio.__version__ if hasattr(anyio, "__version__") else _version("anyio")),
+        ("gloo / nccl available", f"{dist.is_gloo_available()} / {dist.is_nccl_available()}"),
+        ("CUDA devices", str(torch.cuda.device_count())),
+        ("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "(unset)")),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+    return 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
+def _benchmarks_dir() -> Path | None:
+    for candidate in (
+        Path.cwd() / "benchmarks",
+        Path(__file__).resolve().parent.parent / "benchmarks",
+    ):
+        if (candidate / "run_all.py").is_file():
+            return candidate
+    return None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    where = _benchmarks_dir()
+    if where is None:
+        print(
+            "asyncdist bench: no benchmarks/ directory here; run it from a clone of the "
+            "asyncdist repository",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [str(where / "run_all.py"), *args.rest]
+    sys.path.insert(0, str(where))
+    try:
+        runpy.run_path(str(where / "run_all.py"), run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncdist", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="train a small model on local ranks, with overlap")
+    demo.add_argument("--world-size", type=int, default=2, help="local ranks (default 2)")
+    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    demo.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (MiB)")
+    demo.set_defaults(run=_demo)
+
+    info = commands.add_parser("info", help="what a DistSession would do in this environment")
+    info.set_defaults(run=_info)
+
+    bench = commands.add_parser("bench", help="run the benchmark suite (benchmarks/run_all.py)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="passed to run_all.py")
+    bench.set_defaults(run=_bench)
+
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
