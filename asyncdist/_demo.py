@@ -89,7 +89,9 @@ async def train(session: DistSession, steps: int, bucket_mb: float) -> dict[str,
             else:
                 with sync.no_sync():
                     loss.backward()
-                await session.allreduce_coalesced([p.grad for p in grads], op="mean")
+                await session.allreduce_coalesced(
+                    [p.grad for p in grads if p.grad is not None], op="mean"
+                )
             opt.step()
             opt.zero_grad(set_to_none=True)
             if step > 1:  # the first steps warm up and rebuild buckets
