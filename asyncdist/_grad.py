@@ -158,7 +158,9 @@ class GradientSync:
             self._arrivals.append(index)
         b, slot = self._where[index]
         bucket = self._buckets[b]
-        bucket.slot(slot).copy_(param.grad)
+        target = bucket.slot(slot)
+        if param.grad.data_ptr() != target.data_ptr():  # not already accumulated in place
+            target.copy_(param.grad)
         if not self._ready[index]:  # a second call in one step only refreshes the copy
             self._ready[index] = True
             bucket.pending -= 1
@@ -184,13 +186,15 @@ class GradientSync:
         return [b.handle for b in self._buckets if b.handle is not None]
 
     def _write_back(self) -> None:
+        """Point each ``.grad`` at its averaged slot of the bucket (no copy).
+
+        Like DDP's ``gradient_as_bucket_view``: with ``zero_grad(set_to_none=
+        False)`` the next backward accumulates straight into the bucket, and
+        with ``set_to_none=True`` the hook copies the fresh gradient in.
+        """
         for bucket in self._buckets:
             for slot, param in enumerate(bucket.params):
-                reduced = bucket.slot(slot)
-                if param.grad is None:
-                    param.grad = reduced.clone()
-                else:
-                    param.grad.copy_(reduced)
+                param.grad = bucket.slot(slot)
             bucket.handle = None
             bucket.pending = len(bucket.params)
         self._ready = [False] * len(self._params)

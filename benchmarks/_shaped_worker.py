@@ -1,0 +1,248 @@
+"""One rank of a shaped-link benchmark, started by _netns.ShapedLink.run inside its namespace.
+
+Rank 0 hosts the rendezvous store on a port the OS picks (it plays the part
+of torchrun's agent) and publishes the port in a file; both ranks then open a
+DistSession from torchrun-style variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from asyncdist import DistSession
+
+MIB = 1 << 20
+
+
+def _rendezvous(rank: int, master: str, port_file: Path) -> Any:
+    store = None
+    if rank == 0:
+        store = dist.TCPStore(
+            master,
+            0,
+            2,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        tmp.rename(port_file)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never published its store port")
+        time.sleep(0.05)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        MASTER_ADDR=master,
+        MASTER_PORT=port_file.read_text(),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    return store
+
+
+def overlap(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
+    """A 4 MiB allreduce overlapped with GIL-free "device compute" of equal length."""
+    import anyio
+
+    tensor = torch.zeros(int(options.get("mib", 4)) * MIB // 4)
+    reps = int(options.get("reps", 15))
+    for _ in range(3):
+        s.allreduce(tensor).wait()
+    comm = []
+    for _ in range(reps):
+        s.barrier().wait()
+        t0 = time.perf_counter()
+        s.allreduce(tensor).wait()
+        comm.append(time.perf_counter() - t0)
+    comm_s = statistics.median(comm)
+    compute_s = comm_s * float(options.get("compute_ratio", 1.0))
+
+    async def run() -> dict[str, Any]:
+        times: dict[str, list[float]] = {"sequential": [], "overlapped": []}
+        timeline: dict[str, float] = {}
+        for r in range(reps):
+            for mode in ("sequential", "overlapped") if r % 2 else ("overlapped", "sequential"):
+                await s.barrier()
+                t0 = time.perf_counter()
+                if mode == "sequential":
+                    await s.allreduce(tensor)
+                    time.sleep(compute_s)  # noqa: ASYNC251 - GIL-free "device compute"
+                else:
+                    h = s.allreduce(tensor)
+                    c0 = time.perf_counter()
+                    time.sleep(compute_s)  # noqa: ASYNC251 - the host idles, as during a kernel
+                    c1 = time.perf_counter()
+                    await h
+                    if r == reps - 1:
+                        timeline = {
+                            "launch": 0.0,
+                            "compute_start": c0 - t0,
+                            "compute_end": c1 - t0,
+                            "comm_done": time.perf_counter() - t0,
+                        }
+                times[mode].append(time.perf_counter() - t0)
+        return {"times": times, "timeline": timeline}
+
+    result = anyio.run(run)
+    seq = statistics.median(result["times"]["sequential"])
+    ovl = statistics.median(result["times"]["overlapped"])
+    bound = max(comm_s, compute_s)
+    return {
+        "comm_s": comm_s,
+        "compute_s": compute_s,
+        "sequential_s": seq,
+        "overlapped_s": ovl,
+        "efficiency": (seq - ovl) / (seq - bound) if seq > bound else 0.0,
+        "timeline": result["timeline"],
+        "samples": result["times"],
+    }
+
+
+def bandwidth(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
+    """A 64 MiB allreduce against the line-rate bound 2(n-1)/n * size / rate."""
+    size = int(options.get("mib", 64)) * MIB
+    tensor = torch.zeros(size // 4)
+    s.allreduce(tensor).wait()
+    times = []
+    for _ in range(int(options.get("reps", 5))):
+        s.barrier().wait()
+        t0 = time.perf_counter()
+        s.allreduce(tensor).wait()
+        times.append(time.perf_counter() - t0)
+    n = s.world_size
+    rate_bits = float(options["rate_bits"])
+    bound = 2 * (n - 1) / n * size * 8 / rate_bits
+    median = statistics.median(times)
+    return {
+        "bytes": size,
+        "median_s": median,
+        "bound_s": bound,
+        "efficiency": bound / median,
+        "samples": times,
+    }
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        self.body = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
+    """Step time: gradient_sync vs DistributedDataParallel vs the seed's way."""
+    width, depth = int(options.get("width", 1024)), int(options.get("depth", 4))
+    batch = int(options.get("batch", 64))
+    torch.manual_seed(0)
+    base = _Mlp(width, depth)
+    ours_model, seed_model = copy.deepcopy(base), copy.deepcopy(base)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    sync = s.gradient_sync(
+        ours_model,
+        bucket_mb=float(options.get("bucket_mb", 4.0)),
+        first_bucket_mb=float(options.get("first_bucket_mb", 1.0)),
+    )
+    g = torch.Generator().manual_seed(s.rank)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    world = s.world_size
+
+    def step_ours() -> None:
+        torch.nn.functional.cross_entropy(ours_model(x), y).backward()
+        sync.wait()
+        ours_model.zero_grad(set_to_none=True)
+
+    def step_ddp() -> None:
+        torch.nn.functional.cross_entropy(ddp_model(x), y).backward()
+        ddp_model.zero_grad(set_to_none=True)
+
+    def step_seed() -> None:
+        torch.nn.functional.cross_entropy(seed_model(x), y).backward()
+        for p in seed_model.parameters():  # the seed helper: a blocking allreduce per gradient
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        seed_model.zero_grad(set_to_none=True)
+
+    methods = {"asyncdist": step_ours, "ddp": step_ddp, "seed": step_seed}
+    for step in methods.values():  # warm-up (and gradient_sync's bucket rebuild)
+        step()
+        step()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(int(options.get("reps", 10))):
+        for name in names[r % 3 :] + names[: r % 3]:
+            s.barrier().wait()
+            t0 = time.perf_counter()
+            methods[name]()
+            times[name].append(time.perf_counter() - t0)
+    # compute alone, for reference
+    compute = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with sync.no_sync():
+            torch.nn.functional.cross_entropy(ours_model(x), y).backward()
+        ours_model.zero_grad(set_to_none=True)
+        compute.append(time.perf_counter() - t0)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    params = sum(p.numel() for p in base.parameters())
+    return {
+        "params": params,
+        "grad_bytes": params * 4,
+        "median_s": med,
+        "compute_s": statistics.median(compute),
+        "buckets": sync.bucket_sizes,
+        "ratio_vs_ddp": med["asyncdist"] / med["ddp"],
+        "speedup_over_seed": {
+            "asyncdist": med["seed"] / med["asyncdist"],
+            "ddp": med["seed"] / med["ddp"],
+        },
+        "samples": times,
+    }
+
+
+TASKS = {"overlap": overlap, "bandwidth": bandwidth, "ddp": ddp}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--port-file", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--options", default="{}")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    store = _rendezvous(args.rank, args.master, args.port_file)
+    with DistSession(timeout=300, device="cpu") as s:
+        result = TASKS[args.task](s, json.loads(args.options))
+    args.out.write_text(json.dumps(result))
+    del store
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Run every benchmark, write JSON and plots under benchmarks/results/, print a summary.
+
+    python benchmarks/run_all.py [--quick] [--only latency,fusion,...]
+    asyncdist bench [--quick]          # the same
+    nox -s bench                       # the same, in its own environment
+
+The shaped-link benchmarks (overlap, bandwidth, ddp) need root, ``ip`` and
+``tc``; without them they say so, the others still run, and the exit status
+is non-zero. Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _common  # noqa: E402
+import bandwidth  # noqa: E402
+import ddp  # noqa: E402
+import fusion  # noqa: E402
+import latency  # noqa: E402
+import overlap  # noqa: E402
+
+SUITE = {
+    "latency": (latency.main, ["--reps", "300"], ["--reps", "60", "--max-mib", "16"]),
+    "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5"]),
+    "overlap": (
+        lambda a: _shaped(overlap, "overlap", {"mib": 4, "reps": 15}, a),
+        ["--reps", "15"],
+        ["--reps", "5"],
+    ),
+    "bandwidth": (
+        lambda a: _shaped(bandwidth, "bandwidth", {"mib": 64, "reps": 5}, a),
+        ["--reps", "5"],
+        ["--reps", "3"],
+    ),
+    "ddp": (lambda a: _shaped(ddp, "ddp", ddp.OPTIONS, a), ["--reps", "12"], ["--reps", "4"]),
+}
+
+
+def _shaped(module: object, name: str, options: dict[str, object], argv: list[str]) -> int:
+    import _shaped_cli
+
+    return _shaped_cli.main(name, module.__doc__ or "", options, module.summarize, argv)  # type: ignore[attr-defined]
+
+
+def plot() -> list[Path]:
+    """Latency ratios by size, and one overlapped step's timeline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    lat = _common.RESULTS / "latency.json"
+    if lat.exists():
+        rows = json.loads(lat.read_text())["rows"]
+        labels = [_common.human_bytes(r["bytes"]) for r in rows]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        width = 0.25
+        for i, method in enumerate(("wait", "asyncio", "trio")):
+            ax.bar(
+                [x + (i - 1) * width for x in range(len(rows))],
+                [r["ratio"][method] for r in rows],
+                width,
+                label=f"{method} / raw",
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.05, color="grey", linestyle="--", linewidth=0.8, label="goal <= 64 KiB")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_ylabel("time / raw work.wait()")
+        ax.set_title("allreduce latency, 2 gloo ranks (median per op)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = _common.RESULTS / "latency.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    ovl = _common.RESULTS / "overlap.json"
+    if ovl.exists():
+        data = json.loads(ovl.read_text())
+        tl = data["ranks"][0]["timeline"]
+        comm = data["ranks"][0]["comm_s"]
+        seq = data["ranks"][0]["sequential_s"]
+        fig, ax = plt.subplots(figsize=(7, 2.6))
+        ms = 1e3
+        ax.broken_barh(
+            [(0, comm * ms), (comm * ms, (seq - comm) * ms)],
+            (20, 8),
+            facecolors=("tab:blue", "tab:orange"),
+        )
+        ax.broken_barh([(0, tl["comm_done"] * ms)], (9, 4), facecolors="tab:blue")
+        ax.broken_barh(
+            [(tl["compute_start"] * ms, (tl["compute_end"] - tl["compute_start"]) * ms)],
+            (5, 4),
+            facecolors="tab:orange",
+        )
+        ax.set_yticks([9, 24], ["overlapped", "sequential"])
+        ax.set_xlabel(
+            "ms from launch (blue: 4 MiB allreduce on a 1 Gbit/s link; orange: device compute)"
+        )
+        ax.set_title(f"one step, rank 0: efficiency {data['efficiency']:.2f}")
+        fig.tight_layout()
+        path = _common.RESULTS / "overlap_timeline.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SUITE))
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(SUITE)
+    status = {}
+    for name in names:
+        run, full, quick = SUITE[name]
+        print(f"\n== {name}")
+        status[name] = run(quick if args.quick else full)
+    for path in plot():
+        print(f"wrote {path}")
+    failed = [n for n, code in status.items() if code]
+    if failed:
+        print(f"could not run: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
