@@ -126,13 +126,14 @@ class GradientSync:
         size = 0
         for index in order:
             param = self._params[index]
-            cap = self._first_cap if not buckets else self._cap
-            nbytes = param.numel() * param.element_size()
-            if current and (size + nbytes > cap or param.dtype != current[0].dtype):
+            if current and param.dtype != current[0].dtype:
                 buckets.append(current)
                 current, size = [], 0
             current.append(param)
-            size += nbytes
+            size += param.numel() * param.element_size()
+            if size >= (self._first_cap if not buckets else self._cap):
+                buckets.append(current)  # a bucket closes once it reaches its cap
+                current, size = [], 0
         if current:
             buckets.append(current)
         device = self._session.device

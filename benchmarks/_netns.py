@@ -1,8 +1,6 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair whose
-both ends are shaped with ``tc qdisc ... tbf`` (netem is not available here).
-
-The link, not the CPU, then bounds communication, as between two machines.
-Needs root, ``ip`` and ``tc``; :func:`require` says what is missing.
+"""A shaped link between two namespace "hosts" (tools/netns.py) and a runner
+for _shaped_worker.py on both ends: the link, not the CPU, then bounds
+communication, as between two machines.
 """
 
 from __future__ import annotations
@@ -18,70 +16,19 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_shaped_worker.py"
+sys.path.insert(0, str(HERE.parent))
 
 
-def require() -> str | None:
-    """Why shaped-link benchmarks cannot run here, or None if they can."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the '{tool}' command (iproute2)"
-    return None
+from tools.netns import TwoHosts, missing
+
+require = missing
 
 
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, text=True)
+class ShapedLink(TwoHosts):
+    """``with ShapedLink("1gbit") as link: link.run(task, options)``."""
 
-
-class ShapedLink:
-    """``with ShapedLink("1gbit") as link: link.run(task, args)``."""
-
-    def __init__(self, rate: str = "1gbit", burst: str = "1mb", latency: str = "200ms") -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.ns = (f"adA{tag}", f"adB{tag}")
-        self.dev = (f"vA{tag}", f"vB{tag}")
-        subnet = 16 + os.getpid() % 200
-        self.addr = (f"10.213.{subnet}.1", f"10.213.{subnet}.2")
-        self.rate, self.burst, self.latency = rate, burst, latency
-
-    def __enter__(self) -> ShapedLink:
-        try:
-            for ns in self.ns:
-                _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
-                _sh("ip", "link", "set", dev, "netns", ns)
-                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-                _sh(
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    "root",
-                    "tbf",
-                    "rate",
-                    self.rate,
-                    "burst",
-                    self.burst,
-                    "latency",
-                    self.latency,
-                )
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+    def __init__(self, rate: str = "1gbit") -> None:
+        super().__init__(rate=rate)
 
     def run(self, task: str, options: dict[str, Any], timeout: float = 600) -> list[dict[str, Any]]:
         """Run ``task`` of _shaped_worker.py as rank 0 and rank 1, one per namespace."""

@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE))
 import _common  # noqa: E402
 import bandwidth  # noqa: E402
 import ddp  # noqa: E402
+import debug_cost  # noqa: E402
 import fusion  # noqa: E402
 import latency  # noqa: E402
 import overlap  # noqa: E402
@@ -29,6 +30,7 @@ import overlap  # noqa: E402
 SUITE = {
     "latency": (latency.main, ["--reps", "300"], ["--reps", "60", "--max-mib", "16"]),
     "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5"]),
+    "debug_cost": (debug_cost.main, ["--rounds", "7"], ["--rounds", "3"]),
     "overlap": (
         lambda a: _shaped(overlap, "overlap", {"mib": 4, "reps": 15}, a),
         ["--reps", "15"],

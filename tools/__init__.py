@@ -1,0 +1,1 @@
+"""Development helpers shared by tests and benchmarks (not part of the package)."""

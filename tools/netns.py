@@ -1,0 +1,96 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair,
+optionally shaped with ``tc qdisc ... tbf`` (netem is not available here).
+
+Needs root, ``ip`` and ``tc``; :func:`missing` says what is absent. The
+addresses live only inside the namespaces this process creates.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+
+def missing() -> str | None:
+    """Why namespaces cannot be made here, or None if they can."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the '{tool}' command (iproute2)"
+    return None
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+class TwoHosts:
+    """``with TwoHosts(rate="1gbit") as hosts: hosts.popen(0, [...])``."""
+
+    def __init__(self, rate: str | None = None, burst: str = "1mb", latency: str = "200ms") -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = (f"adA{tag}", f"adB{tag}")
+        self.dev = (f"vA{tag}", f"vB{tag}")
+        subnet = 16 + os.getpid() % 200
+        self.addr = (f"10.213.{subnet}.1", f"10.213.{subnet}.2")
+        self.rate, self.burst, self.latency = rate, burst, latency
+
+    def __enter__(self) -> TwoHosts:
+        try:
+            for ns in self.ns:
+                _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
+                _sh("ip", "link", "set", dev, "netns", ns)
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _sh("ip", "-n", ns, "link", "set", dev, "up")
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+                if self.rate is not None:
+                    _sh(
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        self.rate,
+                        "burst",
+                        self.burst,
+                        "latency",
+                        self.latency,
+                    )
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+    def env(self, host: int, **extra: str) -> dict[str, str]:
+        """The environment for a process on ``host``: gloo on its veth."""
+        return dict(os.environ, GLOO_SOCKET_IFNAME=self.dev[host], OMP_NUM_THREADS="1", **extra)
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[host], *argv]
+
+    def free_port(self, host: int) -> int:
+        """A port the OS picks on ``host`` (its namespace is otherwise empty)."""
+        probe = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+        out = subprocess.run(
+            self.command(host, [sys.executable, "-c", probe]),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(out.stdout.strip())
