@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests lint typecheck docs`` (what CI runs), ``bench``, ``multinode``."""
+"""Developer sessions. CI runs tests, lint, typecheck and docs; also bench and multinode."""
 
 from __future__ import annotations
 

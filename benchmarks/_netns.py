@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ WORKER = HERE / "_shaped_worker.py"
 sys.path.insert(0, str(HERE.parent))
 
 
-from tools.netns import TwoHosts, missing
+from tools.netns import TwoHosts, missing  # noqa: E402
 
 require = missing
 
