@@ -123,8 +123,11 @@ class DistSession:
             CUDA, else gloo.
         init_method: a torch init URL (``"tcp://host:port"``, ``"file://..."``);
             default: asyncdist's own rendezvous from the environment.
-        rank, world_size, master_addr, master_port: override what the launch
-            environment says (torchrun, then SLURM, then a 1-process world).
+        rank: this process's rank; overrides the launch environment
+            (torchrun, then SLURM, then a 1-process world).
+        world_size: the number of processes; overrides the environment.
+        master_addr: the rendezvous host; overrides ``MASTER_ADDR``.
+        master_port: the rendezvous port; overrides ``MASTER_PORT``.
         timeout: seconds (or a ``timedelta``) that bound forming the group and
             every collective; default 1800, as in torch.
         device: the device collectives run on; default CUDA ``LOCAL_RANK`` when

@@ -122,9 +122,12 @@ def spawn(
         The ranks' return values, indexed by rank.
 
     Raises:
-        The first failing rank's exception, with a note naming the rank and
-        its traceback; ``PeerFailure`` if a rank died without reporting;
-        ``TimeoutError`` if ``join_timeout`` passed. No child outlives the call.
+        Exception: the first failing rank's own exception, with a note naming
+            the rank and its traceback.
+        PeerFailure: a rank died without reporting.
+        TimeoutError: ``join_timeout`` passed.
+
+    No child outlives the call.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
