@@ -43,6 +43,9 @@ T_co = TypeVar("T_co", covariant=True)
 # Seconds the handle's own watchdog allows past the session timeout before it
 # declares a collective lost; the backend's timeout normally fires first.
 WATCHDOG_GRACE = 3.0
+# A blocking wait returns to Python this often, so signal handlers (Ctrl-C,
+# a launcher's SIGTERM) run promptly.
+WAIT_SLICE = 0.5
 
 
 class Health:
@@ -417,7 +420,7 @@ class Handle(Generic[T_co]):
         ``deadline`` or when the watchdog would declare the work lost."""
         work = self._work
         while not self._completion.done():
-            budget = self._budget()
+            budget = min(self._budget(), WAIT_SLICE)
             if deadline is not None:
                 budget = min(budget, deadline - time.monotonic())
             try:

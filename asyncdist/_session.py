@@ -16,6 +16,7 @@ import enum
 import logging
 import math
 import os
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,7 +30,7 @@ from ._debug import Fingerprint, describe, mismatch
 from ._env import LaunchEnv, detect, gloo_on_loopback, is_loopback
 from ._grad import GradientSync
 from ._handle import Completer, Handle, Health, Watchdog, combined
-from ._store import session_store
+from ._store import forget, session_store
 from ._trace import Tracer, rank_path
 from .errors import (
     AsyncDistError,
@@ -260,7 +261,12 @@ class DistSession:
 
     async def __aenter__(self) -> DistSession:
         # Forming the group waits for peers: keep that off the event loop.
-        await anyio.to_thread.run_sync(self._open)
+        try:
+            await anyio.to_thread.run_sync(self._open)
+        except BaseException:
+            # Cancelled once the group had formed: there is no __aexit__ to release it.
+            self._teardown()
+            raise
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)  # the current device is per thread
         return self
@@ -334,13 +340,13 @@ class DistSession:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=self._timeout)
-        store = None
+        store, fresh = None, False
         self._loopback = self._init_method is None and (
             env.master_port is None or is_loopback(env.master_addr)
         )
         try:
             if self._init_method is None:
-                store, self._owned_store = session_store(env, self._timeout)
+                store, self._owned_store, fresh = session_store(env, self._timeout)
             with gloo_on_loopback(self._loopback and backend == "gloo"):
                 dist.init_process_group(
                     backend,
@@ -356,6 +362,10 @@ class DistSession:
             raise
         except (RuntimeError, OSError, ValueError) as exc:
             self._owned_store = None
+            if fresh:
+                store = None
+                forget(env)  # release the port this failed session bound...
+                traceback.clear_frames(exc.__traceback__)  # ...which torch's frames hold
             where = self._init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
             raise InitError(
                 f"rank {env.rank} of {env.world_size} could not form a {backend} group via "

@@ -65,6 +65,9 @@ def _child(
     from ._session import DistSession
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # A launcher's signal: SIGTERM unwinds the rank (leaving its session, so
+    # the group is released) instead of killing it on the spot.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         if inspect.iscoroutinefunction(fn):
 
@@ -77,6 +80,13 @@ def _child(
             with DistSession(**session_options) as session:
                 result = fn(session, *args)
         message: tuple[Any, ...] = ("ok", result)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code == 0:
+            message = ("ok", None)
+        else:
+            error = AsyncDistError(f"rank {rank} exited with code {code}")
+            message = ("error", error, traceback.format_exc())
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
         message = ("error", exc, traceback.format_exc())
     try:
@@ -84,6 +94,10 @@ def _child(
     except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception
         conn.send(("error", AsyncDistError(f"rank {rank}: {exc}"), traceback.format_exc()))
     conn.close()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _kill_and_reap(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
@@ -169,8 +183,10 @@ def spawn(
 
 
 def _is_consequence(error: BaseException) -> bool:
-    """Errors a rank sees *because* another rank failed first."""
-    return isinstance(error, (CollectiveError, SessionBroken))
+    """Errors a rank sees *because* another rank failed first (a rank's own
+    death, reported by spawn itself, is a cause)."""
+    own_death = isinstance(error, CollectiveError) and error.op == "spawn"
+    return isinstance(error, (CollectiveError, SessionBroken)) and not own_death
 
 
 def _collect(

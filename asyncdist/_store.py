@@ -76,8 +76,18 @@ def _connect(env: LaunchEnv, timeout: float) -> dist.Store:
     )
 
 
-def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Store | None]:
-    """Return ``(store for this session, store the session owns or None)``.
+def forget(env: LaunchEnv) -> None:
+    """Drop the kept store for ``env``'s master (its group never formed), so
+    its port is released; the next session connects or hosts afresh."""
+    with _lock:
+        _kept.pop((env.master_addr, env.master_port or 0), None)
+
+
+def session_store(
+    env: LaunchEnv, timeout: float
+) -> tuple[dist.Store, dist.Store | None, bool]:
+    """Return ``(store for this session, store the session owns or None, fresh)``;
+    ``fresh``: this call created the kept store (see :func:`forget`).
 
     Raises:
         InitError: the master could not be reached or its port could not be bound.
@@ -86,10 +96,11 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
         if env.world_size != 1:
             raise InitError("a multi-process world needs a master port")
         owned = host_loopback_store(1, timeout)
-        return owned, owned
+        return owned, owned, False
     key = (env.master_addr, env.master_port)
     with _lock:
         store = _kept.get(key)
+        fresh = store is None
         if store is None:
             try:
                 store = _connect(env, timeout)
@@ -103,4 +114,4 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
                 ) from exc
             _kept[key] = store
     prefix = f"asyncdist/attempt{env.attempt}/session{next(_session_ids)}"
-    return dist.PrefixStore(prefix, store), None
+    return dist.PrefixStore(prefix, store), None, fresh

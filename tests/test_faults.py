@@ -1,0 +1,480 @@
+"""Fault injection: every scenario of the reliability table, with its bound.
+
+Each scenario runs under pytest-timeout (which dumps every thread's stack and
+fails at its bound) and, for multi-process ones, spawn's own join timeout,
+which kills and reaps every child. Ranks report what they saw into JSON files,
+since a faulty run makes spawn raise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncdist import (
+    AsyncDistError,
+    CollectiveTimeout,
+    DistSession,
+    InitError,
+    PeerFailure,
+    SessionBroken,
+    spawn,
+)
+from asyncdist._env import bind_loopback
+
+MIB = 1 << 20
+
+
+def _save(path: str, **data: Any) -> None:
+    Path(path).write_text(json.dumps(data))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
+
+
+def _free_port() -> int:
+    sock = bind_loopback()
+    port = int(sock.getsockname()[1])
+    sock.close()
+    return port
+
+
+# -- 1, 2: a rank dies -----------------------------------------------------------------
+
+
+def _dies(s: DistSession, how: str, out: str) -> None:
+    t = torch.ones(4 * MIB)  # 16 MiB
+    if s.rank == 1:
+        if how == "sigkill":
+            s.allreduce(t)  # in flight when the rank is killed
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "exit0":
+            sys.exit(0)
+        elif how == "exit1":
+            sys.exit(1)
+        elif how == "abort":
+            os.abort()
+        time.sleep(30)
+    t0 = time.monotonic()
+    try:
+        s.allreduce(t).wait()
+        outcome = "completed"
+    except PeerFailure:
+        outcome = "PeerFailure"
+    elapsed = time.monotonic() - t0
+    t1 = time.monotonic()
+    try:
+        s.barrier()
+        broken = False
+    except SessionBroken:
+        broken = True
+    _save(out, outcome=outcome, elapsed=elapsed, broken=broken, refused_in=time.monotonic() - t1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["sigkill", "exit0", "exit1", "abort"])
+def test_dead_rank(how: str, tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    t0 = time.monotonic()
+    if how == "exit0":  # a clean exit is a rank's own business: no result, no error
+        assert spawn(_dies, 2, args=(how, str(out)), timeout=30, join_timeout=40) == [None, None]
+    else:
+        with pytest.raises(AsyncDistError, match="rank 1"):
+            spawn(_dies, 2, args=(how, str(out)), timeout=30, join_timeout=40)
+    report = _load(out)
+    assert report["outcome"] == "PeerFailure"
+    assert report["elapsed"] < 5.0
+    assert report["broken"]
+    assert report["refused_in"] < 0.1
+    assert time.monotonic() - t0 < 30
+
+
+# -- 3: a silent rank ------------------------------------------------------------------
+
+
+def _silent(s: DistSession, how: str, out: str) -> None:
+    if s.rank == 1:
+        s.barrier().wait()
+        if how == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(30)
+        return
+    s.barrier().wait()
+    t0 = time.monotonic()
+    try:
+        s.allreduce(torch.ones(1024)).wait()
+        outcome = "completed"
+    except CollectiveTimeout:
+        outcome = "CollectiveTimeout"
+    _save(out, outcome=outcome, elapsed=time.monotonic() - t0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["sleep", "sigstop"])
+def test_silent_rank_times_out(how: str, tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    t0 = time.monotonic()
+    with pytest.raises((TimeoutError, AsyncDistError)):
+        spawn(_silent, 2, args=(how, str(out)), timeout=3, join_timeout=15)
+    report = _load(out)
+    assert report["outcome"] == "CollectiveTimeout"
+    assert 3.0 <= report["elapsed"] <= 8.0
+    assert time.monotonic() - t0 < 25, "finalize or the kill of the silent rank hung"
+
+
+# -- 4: SIGTERM mid-step ---------------------------------------------------------------
+
+
+def _sigterm(s: DistSession, out: str) -> None:
+    if s.rank == 1:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        s.allreduce(torch.ones(1024)).wait()  # rank 0 is late: waiting when SIGTERM lands
+        return
+    time.sleep(2.0)
+    # rank 1's exit waits for the allreduce it had launched (nothing is lost)...
+    s.allreduce(torch.ones(1024)).wait()
+    t0 = time.monotonic()
+    try:  # ...and then releases its group: the next collective fails at once
+        s.allreduce(torch.ones(1024)).wait()
+        outcome = "completed"
+    except PeerFailure:
+        outcome = "PeerFailure"
+    _save(out, outcome=outcome, elapsed=time.monotonic() - t0)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_leaves_the_session_and_peers_see_peer_failure(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    t0 = time.monotonic()
+    with pytest.raises(AsyncDistError, match="rank 1 exited with code 143"):
+        spawn(_sigterm, 2, args=(str(out),), timeout=30, join_timeout=40)
+    assert time.monotonic() - t0 < 15
+    report = _load(out)
+    assert report["outcome"] == "PeerFailure", "rank 1 released its group on SIGTERM"
+    assert report["elapsed"] < 5.0
+
+
+# -- 5, 6, 7: forming the group --------------------------------------------------------
+
+
+def test_missing_rank_is_an_init_error_and_the_port_is_released() -> None:
+    port = _free_port()
+    t0 = time.monotonic()
+    session = DistSession(rank=0, world_size=3, master_port=port, timeout=3)
+    with pytest.raises(InitError, match="could not form"):
+        session.__enter__()
+    assert time.monotonic() - t0 < 3 + 5
+    assert not dist.is_initialized()
+    gc.collect()
+    sock = bind_loopback(port=port)  # would raise EADDRINUSE if still held
+    sock.close()
+
+
+def test_unreachable_master_is_an_init_error_naming_it() -> None:
+    port = _free_port()  # nobody listens there
+    t0 = time.monotonic()
+    session = DistSession(rank=1, world_size=2, master_port=port, timeout=3)
+    with pytest.raises(InitError, match=f"127.0.0.1:{port}"):
+        session.__enter__()
+    assert time.monotonic() - t0 < 3 + 5
+
+
+def test_master_port_already_taken() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        session = DistSession(rank=0, world_size=2, master_port=port, timeout=3)
+        with pytest.raises(InitError, match=f"127.0.0.1:{port}"):
+            session.__enter__()
+    finally:
+        taken.close()
+
+
+def _rank_sum(s: DistSession) -> float:
+    t = torch.tensor([float(s.rank)])
+    return s.allreduce(t).wait().item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_spawn_back_to_back_and_in_parallel_never_hits_address_in_use() -> None:
+    for _ in range(50):
+        assert spawn(_rank_sum, 2) == [1.0, 1.0]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(spawn, _rank_sum, 2) for _ in range(4)]
+        assert [r.result(timeout=120) for r in runs] == [[1.0, 1.0]] * 4
+
+
+# -- 9, 10: cancellation ---------------------------------------------------------------
+
+
+async def _cancel_late(s: DistSession) -> list[float]:
+    if s.rank == 1:
+        await anyio.sleep(2.0)
+    t = torch.full((1000,), float(s.rank + 1))
+    h = s.allreduce(t)
+    del t  # only the handle keeps the tensor alive now
+    gc.collect()
+    with anyio.move_on_after(0.3):
+        await h
+    result = await h
+    return result[:3].tolist()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancel_while_a_peer_is_late_then_await_again(backend: str) -> None:
+    assert spawn(_cancel_late, 2, async_backend=backend) == [[3.0] * 3] * 2
+
+
+async def _cancel_in_exit(s: DistSession) -> dict[str, Any]:
+    s.close()
+    t0 = time.monotonic()
+    if s.rank == 0:
+        with anyio.move_on_after(0.3):
+            async with DistSession(timeout=20) as inner:
+                h = inner.allreduce(torch.ones(100))
+            # the cancel landed while the exit waited for h: it still finished
+    else:
+        async with DistSession(timeout=20) as inner:
+            await anyio.sleep(1.5)
+            h = inner.allreduce(torch.ones(100))
+    return {
+        "released": not dist.is_initialized(),
+        "elapsed": time.monotonic() - t0,
+        "result": h.wait(timeout=0).tolist()[:2],
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancellation_during_exit_still_finalizes(backend: str) -> None:
+    for report in spawn(_cancel_in_exit, 2, async_backend=backend):
+        assert report["released"]
+        assert 1.5 <= report["elapsed"] < 10
+        assert report["result"] == [2.0, 2.0]
+
+
+# -- 11: an exception on one rank only -------------------------------------------------
+
+
+def _one_raises(s: DistSession, out: str) -> None:
+    if s.rank == 0:
+        raise ValueError("only here")
+    t0 = time.monotonic()
+    try:
+        s.allreduce(torch.ones(10)).wait()
+    except PeerFailure:
+        _save(out, elapsed=time.monotonic() - t0)
+
+
+@pytest.mark.timeout(60)
+def test_exception_on_one_rank_does_not_deadlock_teardown(tmp_path: Path) -> None:
+    out = tmp_path / "rank1.json"
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="only here"):
+        spawn(_one_raises, 2, args=(str(out),), timeout=10)
+    assert _load(out)["elapsed"] < 10 + 5
+    assert time.monotonic() - t0 < 30
+
+
+# -- 12: exit without finalize -----------------------------------------------------------
+
+NO_FINALIZE = """
+import sys, torch
+from asyncdist import DistSession
+s = DistSession(rank=int(sys.argv[1]), world_size=2, master_port=int(sys.argv[2]), timeout=20)
+s.__enter__()
+handles = [s.allreduce(torch.ones(1000)) for _ in range(50)]
+handles[-1].wait()
+s.allreduce(torch.ones(1 << 16))  # still outstanding at exit
+print("exiting without finalize", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_exit_without_finalize_does_not_abort(tmp_path: Path) -> None:
+    script = tmp_path / "no_finalize.py"
+    script.write_text(NO_FINALIZE)
+    for _ in range(3):
+        port = _free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(rank), str(port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        try:
+            outputs = [p.communicate(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        for proc, (stdout, stderr) in zip(procs, outputs, strict=True):
+            assert "exiting without finalize" in stdout
+            assert "terminate called" not in stderr
+            assert proc.returncode == 0, stderr
+
+
+# -- 13, 14: resources over time ---------------------------------------------------------
+
+
+def _resources() -> tuple[int, int, int]:
+    me = psutil.Process()
+    return threading.active_count(), me.num_fds(), me.memory_info().rss
+
+
+def _cycles(s: DistSession, count: int) -> dict[str, Any]:
+    s.close()
+    for _ in range(5):  # warm-up: first-time allocations
+        with DistSession(timeout=20) as t:
+            t.allreduce(torch.ones(1000)).wait()
+    gc.collect()
+    before = _resources()
+    for _ in range(count):
+        with DistSession(timeout=20) as t:
+            wait = [t.allreduce(torch.ones(1000)) for _ in range(5)]
+            wait[-1].wait()
+            t.broadcast_object({"k": 1}).wait()
+    gc.collect()
+    after = _resources()
+    return {"before": before, "after": after}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_open_close_cycles_leak_nothing() -> None:
+    for report in spawn(_cycles, 2, args=(50,), timeout=30):
+        (t0, f0, r0), (t1, f1, r1) = report["before"], report["after"]
+        assert t1 <= t0, "threads grew"
+        assert f1 <= f0, "file descriptors grew"
+        assert r1 <= r0 * 1.05, f"RSS grew {r1 / r0:.3f}x"
+
+
+async def _soak(s: DistSession, total: int, window: int) -> dict[str, Any]:
+    pending: list[tuple[int, Any]] = []
+    gc.collect()
+    threads0, _, rss0 = _resources()
+    for i in range(total):
+        pending.append((i, s.allreduce(torch.full((64,), float(i)))))
+        if len(pending) >= window:
+            j, h = pending.pop(0)
+            assert (await h)[0].item() == 2.0 * j
+        if i == total // 10:
+            gc.collect()
+            threads0, _, rss0 = _resources()
+    for j, h in pending:
+        assert (await h)[0].item() == 2.0 * j
+    gc.collect()
+    threads1, _, rss1 = _resources()
+    return {"threads": (threads0, threads1), "rss": (rss0, rss1)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_soak_10000_ops_with_300_outstanding(backend: str) -> None:
+    for report in spawn(_soak, 2, args=(10_000, 300), async_backend=backend, timeout=30):
+        assert report["threads"][1] <= report["threads"][0]
+        assert report["rss"][1] <= report["rss"][0] * 1.05
+
+
+# -- 15: chaos -----------------------------------------------------------------------------
+
+
+def _chaos(s: DistSession, seed: int, out_dir: str) -> None:
+    rng = random.Random(seed)
+    victim, fault_step = rng.randrange(s.world_size), rng.randrange(20, 200)
+    fault = rng.choice(["kill", "stop", "exit"])
+    last_ok = time.monotonic()
+    outcome = "finished"
+    try:
+        for step in range(200):
+            if s.rank == victim and step == fault_step:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif fault == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    os._exit(3)
+            t = torch.full((256,), float(s.rank))
+            s.allreduce(t).wait()
+            assert t[0].item() == sum(range(s.world_size)), "wrong result"
+            last_ok = time.monotonic()
+    except AsyncDistError as exc:
+        outcome = type(exc).__name__
+    Path(out_dir, f"rank{s.rank}.json").write_text(
+        json.dumps({"outcome": outcome, "after_last_ok": time.monotonic() - last_ok,
+                    "victim": victim, "fault": fault})
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_chaos(seed: int, tmp_path: Path) -> None:
+    timeout = 3.0
+    with pytest.raises((AsyncDistError, TimeoutError)):
+        spawn(_chaos, 4, args=(seed, str(tmp_path)), timeout=timeout, join_timeout=60)
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(reports) == 3, "every survivor reports"
+    for report in reports:
+        assert report["outcome"] in ("PeerFailure", "CollectiveTimeout", "CollectiveError")
+        assert report["after_last_ok"] <= timeout + 5
+
+
+# -- 16: a CPU hog ---------------------------------------------------------------------------
+
+
+def _busy(s: DistSession) -> int:
+    done = 0
+    for _ in range(100):
+        t = torch.ones(64 * 1024)
+        s.allreduce(t).wait()
+        assert t[0].item() == s.world_size
+        done += 1
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_no_false_timeouts_under_a_cpu_hog() -> None:
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert spawn(_busy, 4, timeout=10) == [100] * 4
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+# -- 17: bad input that only this file covers --------------------------------------------------
+
+
+def test_meta_tensor_is_refused_before_launch() -> None:
+    with DistSession() as s:
+        with pytest.raises(ValueError, match="CPU or CUDA"):
+            s.allreduce(torch.ones(2, device="meta"))
+        assert s.allreduce(torch.ones(2)).wait().tolist() == [1.0, 1.0]
