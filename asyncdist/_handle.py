@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
+import torch
+
 from . import _wakeup
 from .errors import CollectiveTimeout, translate
 
@@ -261,6 +263,7 @@ class Handle(Generic[T_co]):
         "_launched",
         "_observed",
         "_op",
+        "_streamed",
         "_work",
     )
 
@@ -272,6 +275,7 @@ class Handle(Generic[T_co]):
     _finish: Callable[[], Any]
     _hooked: bool
     _observed: bool  # someone got the result or the error from this handle
+    _streamed: bool  # NCCL: completion is stream-ordered, torch's wait() never blocks the host
 
     def __init__(self) -> None:
         raise TypeError("Handle has no public constructor; DistSession methods return handles")
@@ -283,6 +287,8 @@ class Handle(Generic[T_co]):
         health: Health | None,
         finish: Callable[[], Any],
         work: Any = None,
+        *,
+        streamed: bool = False,
     ) -> Handle[Any]:
         self = object.__new__(cls)
         self._op = op
@@ -293,6 +299,7 @@ class Handle(Generic[T_co]):
         self._finish = finish
         self._hooked = False
         self._observed = False
+        self._streamed = streamed
         return self
 
     # -- inspection --------------------------------------------------------
@@ -303,13 +310,14 @@ class Handle(Generic[T_co]):
         return self._op
 
     def done(self) -> bool:
-        """True once the collective finished (successfully or not)."""
-        if self._completion.done():
-            return True
-        work = self._work
-        if work is not None and work.is_completed():
+        """True once the collective finished (successfully or not); for NCCL
+        work, once the device finished it."""
+        completion, work = self._completion, self._work
+        if not completion.done() and work is not None and work.is_completed():
             self._settle(work.wait)  # returns at once, or raises the backend's error
-        return self._completion.done()
+        if self._streamed and completion.done() and completion.error() is None:
+            return bool(work.is_completed())  # settled at enqueue; the device may still run
+        return completion.done()
 
     def exception(self) -> BaseException | None:
         """The error the collective ended with, ``None`` if pending or successful."""
@@ -394,18 +402,29 @@ class Handle(Generic[T_co]):
                 and can be waited on again.
             CollectiveTimeout, PeerFailure, CollectiveError: the collective failed.
         """
-        completion = self._completion
+        completion, work = self._completion, self._work
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not completion.done() and self._work is not None:
-            self._block(deadline)
+        if not completion.done() and work is not None:
+            if self._streamed:
+                self._settle(work.wait)  # NCCL: a stream dependency, the host goes on
+            else:
+                self._block(deadline)
         remaining = None if deadline is None else deadline - time.monotonic()
         if not completion.wait(remaining):
             raise TimeoutError(
                 f"{self._op} did not finish within {timeout:g} s; the handle stays valid "
                 "and can be waited on again"
             )
+        return self._result()
+
+    def _result(self) -> T_co:
+        """The result, safe to use on this thread's current CUDA stream."""
         self._observed = True
-        result: T_co = completion.result()
+        result: T_co = self._completion.result()
+        if self._work is not None:
+            # Settled on another thread, maybe: order this thread's current stream
+            # after the work (CUDA; for finished CPU work this returns at once).
+            self._work.wait()
         return result
 
     def _join(self) -> BaseException | None:
@@ -437,10 +456,10 @@ class Handle(Generic[T_co]):
 
     def synchronize(self) -> T_co:
         """Like :meth:`wait`, and for CUDA work also block the host until the
-        device has finished it (not only the current stream)."""
+        device has finished it (not only ordered the current stream after it)."""
         result = self.wait()
-        if self._work is not None and hasattr(self._work, "synchronize"):
-            self._work.synchronize()
+        if self._streamed:
+            torch.cuda.current_stream().synchronize()
         return result
 
     async def _wait_async(self) -> T_co:
@@ -448,9 +467,7 @@ class Handle(Generic[T_co]):
         if not self.done():
             self._hook()
             await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
-        self._observed = True
-        result: T_co = completion.result()
-        return result
+        return self._result()
 
     async def _join_async(self) -> BaseException | None:
         """:meth:`_join` for an async exit: waits on the loop, never raises."""

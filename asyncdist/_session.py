@@ -544,7 +544,8 @@ class DistSession:
             handle: Handle[T] = Handle._create(op, self._health, finish)
             self._completer.submit(futureless, lambda: handle._settle(work.wait))
         else:
-            handle = Handle._create(op, self._health, finish, work)
+            streamed = self._backend == "nccl"
+            handle = Handle._create(op, self._health, finish, work, streamed=streamed)
         outstanding.append(handle)
         if self._tracer is not None:
             self._tracer.record(handle, nbytes)

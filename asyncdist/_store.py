@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import socket
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -66,6 +68,8 @@ def _connect(env: LaunchEnv, timeout: float) -> dist.Store:
             raise
         sock.detach()
         return store
+    if not hosting:
+        timeout = _wait_for_master(env.master_addr, env.master_port, timeout)
     return dist.TCPStore(
         env.master_addr,
         env.master_port,
@@ -76,6 +80,29 @@ def _connect(env: LaunchEnv, timeout: float) -> dist.Store:
     )
 
 
+def _wait_for_master(host: str, port: int, timeout: float) -> float:
+    """Wait until the master accepts connections; return the time left.
+
+    torch's client retries with back-off in steps of the whole timeout, so an
+    absent master would be reported only after about three timeouts; probing
+    with plain sockets keeps the bound at the timeout itself.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(remaining, 2.0))).close()
+            return max(remaining, 1.0)
+        except OSError as exc:
+            if time.monotonic() + 0.2 >= deadline:
+                raise InitError(
+                    f"no rendezvous store answered at {host}:{port} within {timeout:g} s "
+                    f"({exc}). Check MASTER_ADDR/MASTER_PORT and that rank 0 (or the "
+                    "launcher) is up."
+                ) from exc
+            time.sleep(0.2)
+
+
 def forget(env: LaunchEnv) -> None:
     """Drop the kept store for ``env``'s master (its group never formed), so
     its port is released; the next session connects or hosts afresh."""
@@ -83,9 +110,7 @@ def forget(env: LaunchEnv) -> None:
         _kept.pop((env.master_addr, env.master_port or 0), None)
 
 
-def session_store(
-    env: LaunchEnv, timeout: float
-) -> tuple[dist.Store, dist.Store | None, bool]:
+def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Store | None, bool]:
     """Return ``(store for this session, store the session owns or None, fresh)``;
     ``fresh``: this call created the kept store (see :func:`forget`).
 
@@ -104,6 +129,8 @@ def session_store(
         if store is None:
             try:
                 store = _connect(env, timeout)
+            except InitError:
+                raise
             except (OSError, RuntimeError) as exc:
                 role = "host" if env.rank == 0 and not env.agent_store else "reach"
                 raise InitError(
