@@ -457,7 +457,7 @@ def _chaos(s: DistSession, seed: int, out_dir: str) -> None:
 def test_chaos(seed: int, tmp_path: Path) -> None:
     timeout = 3.0
     with pytest.raises((AsyncDistError, TimeoutError)):
-        spawn(_chaos, 4, args=(seed, str(tmp_path)), timeout=timeout, join_timeout=60)
+        spawn(_chaos, 4, args=(seed, str(tmp_path)), timeout=timeout, join_timeout=25)
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert len(reports) == 3, "every survivor reports"
     worst = max(r["after_last_ok"] for r in reports)

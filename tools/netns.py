@@ -11,13 +11,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 
 def missing() -> str | None:
     """Why namespaces cannot be made here, or None if they can."""
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
             return f"needs the '{tool}' command (iproute2)"
     return None
@@ -36,12 +37,19 @@ class TwoHosts:
         self.dev = (f"vA{tag}", f"vB{tag}")
         subnet = 16 + os.getpid() % 200
         self.addr = (f"10.213.{subnet}.1", f"10.213.{subnet}.2")
+        self.name = (f"host0-{tag}", f"host1-{tag}")
         self.rate, self.burst, self.latency = rate, burst, latency
 
     def __enter__(self) -> TwoHosts:
         try:
+            hosts = "".join(f"{a} {n}\n" for a, n in zip(self.addr, self.name, strict=True))
             for ns in self.ns:
                 _sh("ip", "netns", "add", ns)
+                # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: each
+                # "host" resolves both names, as machines on one cluster do
+                etc = Path("/etc/netns") / ns
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(f"127.0.0.1 localhost\n{hosts}")
             _sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
             for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
                 _sh("ip", "link", "set", dev, "netns", ns)
@@ -76,13 +84,29 @@ class TwoHosts:
     def __exit__(self, *exc: object) -> None:
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
     def env(self, host: int, **extra: str) -> dict[str, str]:
         """The environment for a process on ``host``: gloo on its veth."""
         return dict(os.environ, GLOO_SOCKET_IFNAME=self.dev[host], OMP_NUM_THREADS="1", **extra)
 
     def command(self, host: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.ns[host], *argv]
+        """``argv`` on ``host``: in its network namespace, under its own hostname."""
+        rename = 'hostname "$0" && exec "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns[host],
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            rename,
+            self.name[host],
+            *argv,
+        ]
 
     def free_port(self, host: int) -> int:
         """A port the OS picks on ``host`` (its namespace is otherwise empty)."""
