@@ -39,8 +39,9 @@ class LaunchEnv:
     picks (the local default and :func:`asyncdist.spawn`'s parent).
     ``agent_store`` is true when a launcher agent (torchrun, ``spawn``) already
     hosts the store, so rank 0 connects to it instead of hosting one.
-    ``attempt`` counts torchrun restarts; it keeps each attempt's keys apart in
-    the agent's store, which outlives the workers.
+    ``attempt`` is torchrun's ``TORCHELASTIC_RESTART_COUNT``: the restarts this
+    node's workers caused. Nodes disagree on it, so it is for display only; the
+    store keeps attempts apart by a generation the ranks agree on.
     """
 
     launcher: Launcher

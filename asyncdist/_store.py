@@ -7,6 +7,12 @@
   the life of the process: re-creating one on the same port right after
   closing it fails with EADDRINUSE, so sessions opened one after another share
   it, each under its own :class:`~torch.distributed.PrefixStore`.
+* A launcher agent's store (torchrun's, ``spawn``'s) outlives the workers, so
+  after a torchrun restart it still holds the dead attempt's keys. Before the
+  first session on it, the ranks agree on a fresh *generation* (see
+  :func:`agree_generation`) and key everything under it. torchrun's
+  ``TORCHELASTIC_RESTART_COUNT`` cannot serve: it counts the restarts each
+  node *caused*, so nodes disagree on it after one of them fails.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import itertools
 import socket
 import threading
 import time
+import uuid
 
 import torch.distributed as dist
 
@@ -23,8 +30,12 @@ from ._env import LaunchEnv, bind_loopback, is_loopback
 from .errors import InitError
 
 _lock = threading.Lock()
-_kept: dict[tuple[str, int], dist.Store] = {}
+_kept: dict[tuple[str, int], tuple[dist.Store, str]] = {}
 _session_ids = itertools.count()
+
+GENERATION_KEY = "asyncdist/generation"
+_POLL_FIRST, _POLL_MAX = 0.002, 0.1  # seconds between checks, doubling
+_RECHECK = 1.0  # seconds a rank waits for a welcome before re-reading the generation
 
 
 def host_loopback_store(world_size: int, timeout: float) -> dist.TCPStore:
@@ -103,6 +114,82 @@ def _wait_for_master(host: str, port: int, timeout: float) -> float:
             time.sleep(0.2)
 
 
+def agree_generation(store: dist.Store, env: LaunchEnv, timeout: float) -> str:
+    """Agree with the other ranks on a generation name no earlier attempt used.
+
+    Rank 0 picks a random name, publishes it under :data:`GENERATION_KEY` and
+    welcomes every other rank by echoing the random token that rank wrote
+    under the name. A rank that read a stale name (rank 0 of a dead attempt
+    wrote it) gets no echo of its own token, re-reads the key and tries again.
+    This relies on what torchrun guarantees on a restart: every worker of the
+    old attempt is stopped before any worker of the new one starts, so only
+    the live rank 0 can answer.
+
+    Raises:
+        InitError: rank 0 did not see every rank within ``timeout``, or a rank
+            found no live rank 0.
+    """
+    deadline = time.monotonic() + timeout
+    where = f"{env.master_addr}:{env.master_port}"
+    if env.rank == 0:
+        generation = uuid.uuid4().hex
+        store.set(GENERATION_KEY, generation)
+        hello = [f"asyncdist/{generation}/hello/{r}" for r in range(1, env.world_size)]
+        waiting = set(range(1, env.world_size))
+        delay, seen = _POLL_FIRST, 0
+        while waiting:
+            # one request per poll; the per-rank keys are read only after arrivals
+            count = store.add(f"asyncdist/{generation}/arrivals", 0)
+            arrived = [r for r in waiting if store.check([hello[r - 1]])] if count != seen else []
+            seen = count
+            if arrived:
+                for r in arrived:
+                    token = store.get(hello[r - 1]).decode()
+                    store.set(f"asyncdist/{generation}/welcome/{r}", token)
+                waiting.difference_update(arrived)
+                delay = _POLL_FIRST
+                continue
+            if time.monotonic() >= deadline:
+                missing = sorted(waiting)
+                raise InitError(
+                    f"rank 0 waited {timeout:g} s for rank(s) {_short(missing)} of "
+                    f"{env.world_size} to join through the launcher's store at {where}. "
+                    "Check that every node's launcher started and can reach it."
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        return generation
+
+    token = uuid.uuid4().hex
+    delay = _POLL_FIRST
+    while True:
+        if store.check([GENERATION_KEY]):
+            generation = store.get(GENERATION_KEY).decode()
+            welcome = f"asyncdist/{generation}/welcome/{env.rank}"
+            store.set(f"asyncdist/{generation}/hello/{env.rank}", token)
+            store.add(f"asyncdist/{generation}/arrivals", 1)
+            recheck = min(time.monotonic() + _RECHECK, deadline)
+            while time.monotonic() < recheck:
+                if store.check([welcome]) and store.get(welcome).decode() == token:
+                    return generation
+                time.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX)
+        elif time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        if time.monotonic() >= deadline:
+            raise InitError(
+                f"rank {env.rank} found no live rank 0 in the launcher's store at {where} "
+                f"within {timeout:g} s. Check that rank 0's node is up and its worker "
+                "started."
+            )
+
+
+def _short(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
 def forget(env: LaunchEnv) -> None:
     """Drop the kept store for ``env``'s master (its group never formed), so
     its port is released; the next session connects or hosts afresh."""
@@ -115,7 +202,9 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
     ``fresh``: this call created the kept store (see :func:`forget`).
 
     Raises:
-        InitError: the master could not be reached or its port could not be bound.
+        InitError: the master could not be reached or its port could not be
+            bound, or (on a launcher agent's store) the ranks did not agree on
+            a generation in time.
     """
     if env.master_port is None:
         if env.world_size != 1:
@@ -124,11 +213,13 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
         return owned, owned, False
     key = (env.master_addr, env.master_port)
     with _lock:
-        store = _kept.get(key)
-        fresh = store is None
-        if store is None:
+        kept = _kept.get(key)
+        fresh = kept is None
+        if kept is None:
             try:
                 store = _connect(env, timeout)
+                # a store rank 0 hosts lives and dies with the job: no stale keys
+                generation = agree_generation(store, env, timeout) if env.agent_store else "job"
             except InitError:
                 raise
             except (OSError, RuntimeError) as exc:
@@ -139,6 +230,7 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
                     "MASTER_PORT, that the master is up, and that the port is free and "
                     "reachable."
                 ) from exc
-            _kept[key] = store
-    prefix = f"asyncdist/attempt{env.attempt}/session{next(_session_ids)}"
+            kept = _kept[key] = (store, generation)
+    store, generation = kept
+    prefix = f"asyncdist/{generation}/session{next(_session_ids)}"
     return dist.PrefixStore(prefix, store), None, fresh

@@ -2,14 +2,16 @@
 
 Every rank checks allreduce, broadcast and gradient_sync across the 4 ranks
 and writes what it saw to $ASYNCDIST_OUT/rank<r>.json. With
-ASYNCDIST_FAIL_ONCE=1, global rank 3 dies in the first attempt (torchrun
---max-restarts restarts the job).
+ASYNCDIST_FAIL_ONCE=1, global rank 3 dies once, after the group formed, and
+leaves $ASYNCDIST_OUT/died while the others wait; torchrun --max-restarts
+restarts the job.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -19,10 +21,19 @@ from asyncdist import DistSession
 
 def main() -> None:
     torch.set_num_threads(1)
+    out = Path(os.environ["ASYNCDIST_OUT"])
+    # torchrun's restart count is per node: the node that did not fail keeps 0
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with DistSession(timeout=60, device="cpu") as s:
-        if os.environ.get("ASYNCDIST_FAIL_ONCE") == "1" and attempt == 0 and s.rank == 3:
-            os._exit(1)
+        died = out / "died"
+        if os.environ.get("ASYNCDIST_FAIL_ONCE") == "1" and not died.exists():
+            s.barrier().wait()  # every rank got this far in the first attempt
+            if s.rank == 3:
+                died.write_text("rank 3 died once\n")
+                os._exit(1)
+            # The others stay healthy until torchrun stops them, so a node
+            # without rank 3 restarts without counting it (the hard case).
+            time.sleep(120)
         t = torch.tensor([float(s.rank)])
         s.allreduce(t).wait()
         b = torch.tensor([float(s.rank)])
@@ -45,8 +56,7 @@ def main() -> None:
             "grad00": model.weight.grad[0, 0].item(),
             "attempt": attempt,
         }
-    out = Path(os.environ["ASYNCDIST_OUT"]) / f"rank{report['rank']}.json"
-    out.write_text(json.dumps(report))
+    (out / f"rank{report['rank']}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

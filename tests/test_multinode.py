@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 needs_namespaces = pytest.mark.skipif(missing() is not None, reason=f"multi-node test {missing()}")
 
 
-def _torchrun(tmp_path: Path) -> list[dict[str, object]]:
+def _torchrun(tmp_path: Path, *extra: str, **env_extra: str) -> list[dict[str, object]]:
     with TwoHosts() as hosts:
         port = hosts.free_port(0)
         procs = []
@@ -42,12 +42,14 @@ def _torchrun(tmp_path: Path) -> list[dict[str, object]]:
                 # the namespaces' addresses are not this machine's hostname: say who hosts
                 f"--rdzv-conf=is_host={'true' if host == 0 else 'false'}",
                 "--monitor-interval=0.5",
+                *extra,
                 str(JOB),
             ]
             env = hosts.env(
                 host,
                 ASYNCDIST_OUT=str(tmp_path),
                 PYTHONPATH=str(ROOT),
+                **env_extra,
             )
             procs.append(
                 subprocess.Popen(
@@ -87,12 +89,21 @@ def test_torchrun_two_hosts_four_ranks(tmp_path: Path) -> None:
     _check(_torchrun(tmp_path), per_host=2)
 
 
-def test_torchrun_restarts_after_a_worker_dies(tmp_path: Path) -> None:
-    """--max-restarts=1, global rank 3 dies once: the job recovers and finishes.
+@needs_namespaces
+def test_torchrun_restart_across_two_hosts(tmp_path: Path) -> None:
+    """--max-restarts=1 on both hosts; global rank 3 (host 1) dies once after
+    the group formed. torchrun restarts every worker on both hosts, but only
+    host 1 counts a restart (TORCHELASTIC_RESTART_COUNT is per node), so this
+    passes only if the ranks agree on fresh store keys without that count."""
+    reports = _torchrun(tmp_path, "--max-restarts=1", ASYNCDIST_FAIL_ONCE="1")
+    assert (tmp_path / "died").exists(), "rank 3 died in the first attempt"
+    _check(reports, per_host=2)
+    assert [r["attempt"] for r in reports] == [0, 0, 1, 1], "torchrun's per-node counts"
 
-    On one host (torchrun --standalone): across the two namespace hosts,
-    torchrun's c10d rendezvous did not start a second round here.
-    """
+
+def test_torchrun_restarts_after_a_worker_dies(tmp_path: Path) -> None:
+    """--max-restarts=1 on one host (torchrun --standalone), rank 3 dies once:
+    the job recovers and finishes. Needs no root."""
     argv = [
         sys.executable,
         "-m",
@@ -112,6 +123,7 @@ def test_torchrun_restarts_after_a_worker_dies(tmp_path: Path) -> None:
     )
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "died").exists(), "rank 3 died in the first attempt"
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     _check(reports, per_host=4)
     assert all(r["attempt"] == 1 for r in reports), "the job finished in the second attempt"
