@@ -2,9 +2,9 @@
 
 Every rank checks allreduce, broadcast and gradient_sync across the 4 ranks
 and writes what it saw to $ASYNCDIST_OUT/rank<r>.json. With
-ASYNCDIST_FAIL_ONCE=1, global rank 3 dies once, after the group formed, and
-leaves $ASYNCDIST_OUT/died while the others wait; torchrun --max-restarts
-restarts the job.
+ASYNCDIST_FAIL_ONCE=1, global rank $ASYNCDIST_FAIL_RANK (default 3) dies
+once, after the group formed, and leaves $ASYNCDIST_OUT/died while the others
+wait; torchrun --max-restarts restarts the job.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ def main() -> None:
         died = out / "died"
         if os.environ.get("ASYNCDIST_FAIL_ONCE") == "1" and not died.exists():
             s.barrier().wait()  # every rank got this far in the first attempt
-            if s.rank == 3:
-                died.write_text("rank 3 died once\n")
+            if s.rank == int(os.environ.get("ASYNCDIST_FAIL_RANK", "3")):
+                died.write_text(f"rank {s.rank} died once\n")
                 os._exit(1)
-            # The others stay healthy until torchrun stops them, so a node
-            # without rank 3 restarts without counting it (the hard case).
+            # The others stay healthy until torchrun stops them, so the node
+            # that did not fail restarts without counting it (the hard case).
             time.sleep(120)
         t = torch.tensor([float(s.rank)])
         s.allreduce(t).wait()

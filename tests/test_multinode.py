@@ -90,15 +90,22 @@ def test_torchrun_two_hosts_four_ranks(tmp_path: Path) -> None:
 
 
 @needs_namespaces
-def test_torchrun_restart_across_two_hosts(tmp_path: Path) -> None:
-    """--max-restarts=1 on both hosts; global rank 3 (host 1) dies once after
-    the group formed. torchrun restarts every worker on both hosts, but only
-    host 1 counts a restart (TORCHELASTIC_RESTART_COUNT is per node), so this
-    passes only if the ranks agree on fresh store keys without that count."""
-    reports = _torchrun(tmp_path, "--max-restarts=1", ASYNCDIST_FAIL_ONCE="1")
-    assert (tmp_path / "died").exists(), "rank 3 died in the first attempt"
+@pytest.mark.parametrize("dies", [3, 0], ids=["rank3-on-host1", "rank0-on-host0"])
+def test_torchrun_restart_across_two_hosts(tmp_path: Path, dies: int) -> None:
+    """--max-restarts=1 on both hosts; one rank dies once after the group formed.
+
+    torchrun restarts every worker on both hosts, but only the failed rank's
+    host counts a restart (TORCHELASTIC_RESTART_COUNT is per node), so this
+    passes only if the ranks agree on fresh store keys without that count.
+    Rank 0's death also restarts the rank that leads that agreement."""
+    reports = _torchrun(
+        tmp_path, "--max-restarts=1", ASYNCDIST_FAIL_ONCE="1", ASYNCDIST_FAIL_RANK=str(dies)
+    )
+    assert (tmp_path / "died").read_text() == f"rank {dies} died once\n"
     _check(reports, per_host=2)
-    assert [r["attempt"] for r in reports] == [0, 0, 1, 1], "torchrun's per-node counts"
+    failed_host = dies // 2
+    counts = [1 if rank // 2 == failed_host else 0 for rank in range(4)]
+    assert [r["attempt"] for r in reports] == counts, "torchrun's per-node restart counts"
 
 
 def test_torchrun_restarts_after_a_worker_dies(tmp_path: Path) -> None:
@@ -123,7 +130,7 @@ def test_torchrun_restarts_after_a_worker_dies(tmp_path: Path) -> None:
     )
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "died").exists(), "rank 3 died in the first attempt"
+    assert (tmp_path / "died").read_text() == "rank 3 died once\n"
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     _check(reports, per_host=4)
     assert all(r["attempt"] == 1 for r in reports), "the job finished in the second attempt"
