@@ -35,7 +35,6 @@ _session_ids = itertools.count()
 
 GENERATION_KEY = "asyncdist/generation"
 _POLL_FIRST, _POLL_MAX = 0.002, 0.1  # seconds between checks, doubling
-_RECHECK = 1.0  # seconds a rank waits for a welcome before re-reading the generation
 
 
 def host_loopback_store(world_size: int, timeout: float) -> dist.TCPStore:
@@ -120,7 +119,8 @@ def agree_generation(store: dist.Store, env: LaunchEnv, timeout: float) -> str:
     Rank 0 picks a random name, publishes it under :data:`GENERATION_KEY` and
     welcomes every other rank by echoing the random token that rank wrote
     under the name. A rank that read a stale name (rank 0 of a dead attempt
-    wrote it) gets no echo of its own token, re-reads the key and tries again.
+    wrote it) gets no echo of its own token and says hello again as soon as
+    the key changes.
     This relies on what torchrun guarantees on a restart: every worker of the
     old attempt is stopped before any worker of the new one starts, so only
     the live rank 0 can answer.
@@ -161,28 +161,26 @@ def agree_generation(store: dist.Store, env: LaunchEnv, timeout: float) -> str:
         return generation
 
     token = uuid.uuid4().hex
+    announced = ""  # the generation this rank has said hello under
     delay = _POLL_FIRST
     while True:
         if store.check([GENERATION_KEY]):
             generation = store.get(GENERATION_KEY).decode()
+            if generation != announced:
+                store.set(f"asyncdist/{generation}/hello/{env.rank}", token)
+                store.add(f"asyncdist/{generation}/arrivals", 1)
+                announced, delay = generation, _POLL_FIRST
             welcome = f"asyncdist/{generation}/welcome/{env.rank}"
-            store.set(f"asyncdist/{generation}/hello/{env.rank}", token)
-            store.add(f"asyncdist/{generation}/arrivals", 1)
-            recheck = min(time.monotonic() + _RECHECK, deadline)
-            while time.monotonic() < recheck:
-                if store.check([welcome]) and store.get(welcome).decode() == token:
-                    return generation
-                time.sleep(delay)
-                delay = min(delay * 2, _POLL_MAX)
-        elif time.monotonic() < deadline:
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX)
+            if store.check([welcome]) and store.get(welcome).decode() == token:
+                return generation
         if time.monotonic() >= deadline:
             raise InitError(
                 f"rank {env.rank} found no live rank 0 in the launcher's store at {where} "
                 f"within {timeout:g} s. Check that rank 0's node is up and its worker "
                 "started."
             )
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX)
 
 
 def _short(ranks: list[int]) -> str:
