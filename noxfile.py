@@ -55,7 +55,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def multinode(session: nox.Session) -> None:
-    """Two network-namespace "hosts", torchrun --nnodes=2 on each, and a
-    --max-restarts recovery on one host and across both (needs root)."""
+    """torchrun --nnodes=2 on two network-namespace "hosts", with restarts (needs root)."""
     install(session, "test")
     session.run("python", "-m", "pytest", "tests/test_multinode.py", "-v", *session.posargs)
