@@ -37,7 +37,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from . import _wakeup
-from .errors import CollectiveTimeout, translate
+from .errors import AsyncDistError, CollectiveTimeout, translate
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -56,12 +56,13 @@ class Health:
     Holds no reference to the process group (see the module docstring).
     """
 
-    __slots__ = ("fault", "last_progress", "rank", "timeout")
+    __slots__ = ("fault", "fault_seen", "last_progress", "rank", "timeout")
 
     def __init__(self, *, rank: int, timeout: float) -> None:
         self.rank = rank
         self.timeout = timeout
         self.fault: BaseException | None = None
+        self.fault_seen = False  # the user was shown a fault of this session
         self.last_progress = time.monotonic()
 
     def progressed(self) -> None:
@@ -70,6 +71,11 @@ class Health:
     def break_(self, exc: BaseException) -> None:
         if self.fault is None:
             self.fault = exc
+
+    def saw(self, error: BaseException | None) -> None:
+        """``error`` reached the user; a fault (not a local error) counts as seen."""
+        if isinstance(error, AsyncDistError):
+            self.fault_seen = True
 
 
 class _Completion:
@@ -323,6 +329,8 @@ class Handle(Generic[T_co]):
         """The error the collective ended with, ``None`` if pending or successful."""
         if self.done():
             self._observed = True
+            if self._health is not None:
+                self._health.saw(self._completion.error())
         return self._completion.error()
 
     def __repr__(self) -> str:
@@ -420,6 +428,8 @@ class Handle(Generic[T_co]):
     def _result(self) -> T_co:
         """The result, safe to use on this thread's current CUDA stream."""
         self._observed = True
+        if self._health is not None:
+            self._health.saw(self._completion.error())
         result: T_co = self._completion.result()
         if self._work is not None:
             # Settled on another thread, maybe: order this thread's current stream

@@ -399,13 +399,19 @@ class DistSession:
         """Surface failures of outstanding handles nobody waited on: nothing is lost.
 
         A fault is raised when the block exited normally; otherwise (or for
-        local errors, like a refused unpickle) it is logged.
+        local errors, like a refused unpickle) it is logged. So is the fault
+        that broke the session, if no error of it ever reached the user (the
+        watchdog found it on a handle nobody waited on).
         """
         faults = [error for error in unseen if error is not None]
+        health = self._health
+        if health.fault is not None and not health.fault_seen and health.fault not in faults:
+            faults.insert(0, health.fault)
         for error in faults:
             logger.warning("rank %d: unobserved failure at session exit: %s", self._rank, error)
         fault = next((e for e in faults if isinstance(e, AsyncDistError)), None)
         if fault is not None and raise_errors:
+            health.fault_seen = True  # once, not again at a parent session's exit
             raise fault
 
     def _teardown(self) -> None:
@@ -509,6 +515,7 @@ class DistSession:
             )
         fault = self._health.fault
         if fault is not None:
+            self._health.fault_seen = True
             raise SessionBroken(
                 f"{op} on rank {self._rank}: the session is broken by an earlier failure "
                 f"({type(fault).__name__}); leave it and start a new one (or let torchrun "
@@ -670,6 +677,7 @@ class DistSession:
         except RuntimeError as exc:
             error = translate(exc, op=op, rank=self._rank, timeout=self._timeout)
             self._health.break_(error)
+            self._health.saw(error)  # raised to the caller right here
             raise error from exc
         size = raw.numel()
         prints = [

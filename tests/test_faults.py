@@ -305,6 +305,34 @@ def test_exception_on_one_rank_does_not_deadlock_teardown(tmp_path: Path) -> Non
     assert time.monotonic() - t0 < 30
 
 
+# -- a fault nobody waited on is raised at exit -------------------------------------------
+
+
+def _unwaited_fault(s: DistSession, out: str) -> None:
+    s.barrier().wait()
+    if s.rank == 1:
+        os._exit(1)
+    s.allreduce(torch.ones(1 << 16))  # launched, never waited on
+    deadline = time.monotonic() + 10
+    while s.state.value != "broken" and time.monotonic() < deadline:
+        time.sleep(0.05)  # the watchdog settles the handle and breaks the session
+    state = s.state.value
+    try:
+        s.close()
+        outcome = "clean exit"
+    except PeerFailure:
+        outcome = "PeerFailure"
+    _save(out, state=state, outcome=outcome)
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_nobody_waited_on_is_raised_when_the_session_is_left(tmp_path: Path) -> None:
+    out = tmp_path / "rank0.json"
+    with pytest.raises(AsyncDistError):
+        spawn(_unwaited_fault, 2, args=(str(out),), timeout=10, join_timeout=30)
+    assert _load(out) == {"state": "broken", "outcome": "PeerFailure"}
+
+
 # -- 12: exit without finalize -----------------------------------------------------------
 
 NO_FINALIZE = """
