@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,9 @@ class Fingerprint:
             digest = (
                 f"{len(self.tensors)} tensors, hash {hash(tuple(self.tensors)) & 0xFFFFFFFF:08x}"
             )
-            short = Fingerprint(self.seq, self.op, (digest,), self.reduce, self.root, self.conflict)
+            short = Fingerprint(
+                self.seq, self.op, (digest,), self.reduce, self.root, self.conflict, self.extra
+            )
             data = json.dumps(asdict(short), separators=(",", ":")).encode()[
                 : FINGERPRINT_BYTES - 4
             ]
@@ -74,6 +76,29 @@ def _what(fp: Fingerprint) -> str:
     return " ".join(parts)
 
 
+def pairwise(fp: Fingerprint) -> bool:
+    """Whether ``fp.tensors[j]`` is what this rank exchanges with rank ``j``
+    (``all_to_all``), so shapes may differ between ranks, pair by pair."""
+    return bool(fp.extra.get("pairwise"))
+
+
+def _pairwise_mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
+    """Rank ``i`` sends rank ``j`` its ``tensors[j]``; rank ``j`` receives it
+    into a tensor shaped like its own ``tensors[i]``: the two must agree."""
+    world = len(fingerprints)
+    if any(len(fp.tensors) != world for fp in fingerprints):
+        return None  # a list too long to ship: its digest cannot be compared pairwise
+    for i, sender in enumerate(fingerprints):
+        for j in range(i + 1, world):
+            sent, expected = sender.tensors[j], fingerprints[j].tensors[i]
+            if sent != expected:
+                return (
+                    f"collective #{sender.seq}: {sender.op}: rank {i} exchanges {sent} with "
+                    f"rank {j}, which exchanges {expected} with rank {i}"
+                )
+    return None
+
+
 def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
     """A message naming both sides of the first disagreement, or ``None``."""
     for rank, fp in enumerate(fingerprints):
@@ -83,6 +108,9 @@ def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
                 f"({fp.conflict}); the order they interleave in differs between ranks. "
                 "Issue from one task, or give each task its own group with split()."
             )
+    if all(pairwise(fp) for fp in fingerprints):
+        problem = mismatch([replace(fp, tensors=(), extra={}) for fp in fingerprints])
+        return problem or _pairwise_mismatch(fingerprints)
     first = fingerprints[0]
     for rank, fp in enumerate(fingerprints[1:], start=1):
         if fp == first:

@@ -652,8 +652,12 @@ class DistSession:
         *,
         reduce: str = "",
         root: int | None = None,
+        pairwise: bool = False,
     ) -> None:
         """In debug mode, compare this call with every other rank's before launch.
+
+        ``pairwise``: ``tensors[j]`` is what this rank exchanges with rank
+        ``j``; it must match rank ``j``'s ``tensors[rank]``, not this list.
 
         Raises:
             CollectiveMismatch: on every rank, if any rank issues something else.
@@ -668,7 +672,13 @@ class DistSession:
         self._last_issuer = issuer
         self._seq += 1
         mine = Fingerprint(
-            self._seq, op, tuple(describe(t) for t in tensors), reduce, root, conflict
+            self._seq,
+            op,
+            tuple(describe(t) for t in tensors),
+            reduce,
+            root,
+            conflict,
+            {"pairwise": True} if pairwise else {},
         )
         raw = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
         everyone = torch.empty(self._world_size * raw.numel(), dtype=torch.uint8)
@@ -838,15 +848,24 @@ class DistSession:
 
         Element ``j`` of the result came from rank ``j`` and has the shape and
         dtype of ``inputs[j]`` (every rank sends rank ``j`` a tensor shaped like
-        the one it receives from it).
+        the one it receives from it). NCCL allows the shapes to differ pair by
+        pair; gloo needs one shape and dtype for every tensor.
 
         Raises:
-            TypeError, ValueError: not a list of one tensor per rank.
+            TypeError, ValueError: not a list of one tensor per rank, or (gloo)
+                tensors of different shapes or dtypes.
         """
         name = "all_to_all"
         self._check_open(name)
         chunks = self._tensor_list(inputs, name, "inputs", self._world_size)
-        self._verify(name, chunks)
+        if self._backend == "gloo":
+            kinds = {describe(t) for t in chunks}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"{name} on rank {self._rank}: gloo needs every tensor in inputs to "
+                    f"have one shape and dtype, got {', '.join(sorted(kinds))}"
+                )
+        self._verify(name, chunks, pairwise=True)
         outputs = [torch.empty_like(t) for t in chunks]
         group = self._group
         return self._launch(

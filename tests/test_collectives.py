@@ -238,6 +238,7 @@ def _bad_inputs(s: DistSession) -> list[str]:
         (lambda: s.reduce_scatter(torch.ones(3)), ValueError),  # 3 does not split in 2
         (lambda: s.all_to_all([torch.ones(1)]), ValueError),  # one tensor for two ranks
         (lambda: s.all_to_all(torch.ones(2)), TypeError),
+        (lambda: s.all_to_all([torch.ones(1), torch.ones(2)]), ValueError),  # gloo: one shape
         (lambda: s.reduce(torch.ones(1), dst=2), ValueError),
         (lambda: s.gather(torch.ones(1), dst=-1), ValueError),
         (lambda: s.scatter(torch.ones(1), None, src=s.rank), ValueError),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncdist import CollectiveMismatch, DistSession, spawn
-from asyncdist._debug import Fingerprint, mismatch
+from asyncdist._debug import Fingerprint, mismatch, pairwise
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,6 +28,8 @@ def _mismatch(s: DistSession, case: str) -> str:
         "reduce": lambda: s.allreduce(torch.ones(4), op="sum" if r == 0 else "max"),
         "root": lambda: s.broadcast(torch.ones(4), src=r),
         "count": lambda: (s.barrier() if r == 0 else None, s.allreduce(torch.ones(4)))[1],
+        # rank 0 sends rank 1 three elements; rank 1 expects two from rank 0
+        "all_to_all": lambda: s.all_to_all([torch.ones(3 if r == 0 else 2)] * 2),
     }
     try:
         calls[case]().wait()
@@ -51,6 +53,11 @@ def _mismatch(s: DistSession, case: str) -> str:
         ("reduce", "allreduce with op sum on rank 0 vs max on rank 1"),
         ("root", "broadcast with root 0 on rank 0 vs 1 on rank 1"),
         ("count", "barrier on rank 0 vs allreduce on rank 1"),
+        (
+            "all_to_all",
+            "all_to_all: rank 0 exchanges float32[3] with rank 1, which exchanges "
+            "float32[2] with rank 0",
+        ),
     ],
 )
 def test_mismatch_raises_on_every_rank_naming_both_sides(case: str, expected: str) -> None:
@@ -105,3 +112,19 @@ def test_fingerprint_round_trip_and_long_lists() -> None:
     decoded = [Fingerprint.decode(raw), Fingerprint.decode(other.encode())]
     assert mismatch(decoded) is not None
     assert mismatch([fp, fp]) is None
+
+
+def test_pairwise_fingerprints_compare_pair_by_pair() -> None:
+    """all_to_all: rank i's tensors[j] must match rank j's tensors[i], so NCCL's
+    uneven exchanges (shapes differing between ranks, pair by pair) are valid."""
+
+    def fp(*shapes: str) -> Fingerprint:
+        return Fingerprint(1, "all_to_all", shapes, extra={"pairwise": True})
+
+    assert mismatch([fp("f[1]", "f[2]"), fp("f[2]", "f[3]")]) is None
+    assert mismatch([fp("f[1]", "f[2]"), fp("f[4]", "f[3]")]) is not None
+    plain = Fingerprint(1, "all_to_all", ("f[1]", "f[2]"))
+    assert mismatch([fp("f[1]", "f[2]"), plain]) is not None, "mixed kinds still differ"
+    long = fp(*(f"float32[{i}]" for i in range(500)))
+    decoded = Fingerprint.decode(long.encode())
+    assert pairwise(decoded), "the flag survives the digest of a long list"
