@@ -265,7 +265,8 @@ class DistSession:
             await anyio.to_thread.run_sync(self._open)
         except BaseException:
             # Cancelled once the group had formed: there is no __aexit__ to release it.
-            self._teardown()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._teardown)
             raise
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)  # the current device is per thread
@@ -280,7 +281,8 @@ class DistSession:
         # Shielded: a cancellation must not leave the group half torn down.
         with anyio.CancelScope(shield=True):
             unseen = [await handle._join_async() for handle in self._drain()]
-            self._teardown()
+            # joining worker threads and destroying the group can block: not on the loop
+            await anyio.to_thread.run_sync(self._teardown)
         self._report(unseen, raise_errors=exc is None)
 
     def _open(self) -> None:
@@ -301,6 +303,22 @@ class DistSession:
         if self._trace_path is not None:
             self._tracer = Tracer(self._rank)
         self._state = State.OPEN
+        try:
+            self._form_side_groups()
+        except (RuntimeError, OSError) as exc:
+            self._teardown()
+            raise InitError(
+                f"rank {self._rank} of {self._world_size}: the group formed, but its side "
+                f"group did not within {self._timeout:g} s ({exc}). Check that every rank "
+                "is still running."
+            ) from exc
+
+    def _form_side_groups(self) -> None:
+        """Form the side groups now, while waiting for peers is expected (entry
+        runs off the event loop), not inside the first object collective."""
+        self._side_group("objects")
+        if self._debug:
+            self._side_group("debug")
 
     def _start_workers(self) -> None:
         self._completer = Completer(f"asyncdist-completer-r{self._rank}")
@@ -503,6 +521,14 @@ class DistSession:
         sub._tracer = self._tracer
         sub._start_workers()
         self._children.append(sub)
+        try:
+            sub._form_side_groups()
+        except RuntimeError as exc:
+            sub._teardown()
+            error = translate(exc, op=name, rank=self._rank, timeout=self._timeout)
+            self._health.break_(error)
+            self._health.saw(error)
+            raise error from exc
         return sub
 
     # -- launching -----------------------------------------------------------------
@@ -630,8 +656,8 @@ class DistSession:
     # -- debug mode ----------------------------------------------------------------
 
     def _side_group(self, kind: str) -> Any:
-        """A gloo group over this session's ranks for side traffic (created on
-        first use; every rank reaches that use at the same point in its program)."""
+        """A gloo group over this session's ranks for side traffic (formed when
+        the session opens, see :meth:`_form_side_groups`)."""
         group = self._aux.get(kind)
         if group is None:
             ranks = [dist.get_global_rank(self._group, r) for r in range(self._world_size)]

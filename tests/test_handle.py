@@ -163,3 +163,31 @@ def test_awaiting_never_blocks_the_loop_nor_parks_threads(backend: str) -> None:
     rank0, _ = spawn(_loop_stays_free, 2, timeout=20, async_backend=backend)
     assert rank0["ticks"] >= 20, "the event loop was blocked while awaiting"
     assert rank0["extra_threads"] <= 0, "a thread was started per handle"
+
+
+async def _first_object_collective(session: DistSession) -> int:
+    """The first object collective (gradient_sync's first step makes one) must
+    not block the loop while a peer is late: its side group formed at entry."""
+    if session.rank == 1:
+        await anyio.sleep(LATE)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()
+        value = await session.broadcast_object({"step": 1}, src=1, allowed=[])
+        tg.cancel_scope.cancel()
+    assert value == {"step": 1}
+    return ticks
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_first_object_collective_does_not_block_the_loop(backend: str) -> None:
+    ticks, _ = spawn(_first_object_collective, 2, timeout=20, async_backend=backend)
+    assert ticks >= 20, "the loop was blocked while the peer was late"
