@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _ops
 from ._handle import Handle, wait_all
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class GradientSync:
         *,
         bucket_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
-        op: str = "mean",
+        op: _ops.ReduceOpLike = "mean",
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
@@ -91,11 +92,12 @@ class GradientSync:
                 raise ValueError(
                     f"gradient_sync: {name} must be a positive number of MiB, got {value!r}"
                 )
-        if op not in ("mean", "sum"):
+        name = _ops.reduction_name(op, collective="gradient_sync")
+        if name not in ("mean", "sum"):
             raise ValueError(f"gradient_sync: op must be 'mean' or 'sum', not {op!r}")
         self._session = session
         self._module = module
-        self._op = op
+        self._op = name
         self._cap = int(bucket_mb * MB)
         self._first_cap = int(min(first_bucket_mb, bucket_mb) * MB)
         seen: set[int] = set()

@@ -598,7 +598,7 @@ class DistSession:
         self,
         module: torch.nn.Module,
         bucket_mb: float = 25.0,
-        op: str = "mean",
+        op: _ops.ReduceOpLike = "mean",
         *,
         first_bucket_mb: float = 1.0,
     ) -> GradientSync:
@@ -606,6 +606,7 @@ class DistSession:
 
         Returns a :class:`GradientSync`; ``await`` it (or ``.wait()``) after
         ``loss.backward()``. See the "Overlap in training loops" guide.
+        ``op``: ``"mean"`` (average) or ``"sum"``, or ``ReduceOp.AVG``/``SUM``.
 
         Raises:
             TypeError, ValueError: not a module, or a bad bucket size or op.

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from asyncdist import DistSession, GradientSync, spawn
 
@@ -127,6 +128,24 @@ def test_bad_arguments() -> None:
             s.gradient_sync(Net(), bucket_mb=0)
         with pytest.raises(ValueError, match="op"):
             s.gradient_sync(Net(), op="max")
+        with pytest.raises(ValueError, match="op"):
+            s.gradient_sync(Net(), op=dist.ReduceOp.MAX)
         with s.gradient_sync(Net()) as sync:
             assert isinstance(sync, GradientSync)
             assert sync.bucket_sizes[0] <= 1 << 20, "a small first bucket"
+
+
+def _summed(s: DistSession, op: object) -> list[float]:
+    model = torch.nn.Linear(2, 1, bias=False)
+    with s.gradient_sync(model, op=op) as sync:  # type: ignore[arg-type]
+        model(torch.full((1, 2), float(s.rank + 1))).sum().backward()
+        sync.wait()
+    assert model.weight.grad is not None
+    return [float(v) for v in model.weight.grad.flatten()]
+
+
+@pytest.mark.parametrize("op", ["sum", dist.ReduceOp.SUM, dist.ReduceOp.AVG])
+def test_op_takes_names_and_reduce_ops(op: object) -> None:
+    """d(w . x)/dw = x = rank + 1: summed over 2 ranks 3, averaged 1.5."""
+    expected = 1.5 if op == dist.ReduceOp.AVG else 3.0
+    assert spawn(_summed, 2, args=(op,)) == [[expected, expected]] * 2
