@@ -289,10 +289,13 @@ class DistSession:
         if self._parent is not None and self._state is State.OPEN:
             return  # a sub-session is open from birth; `with` just scopes it
         if self._state is State.OPEN:
-            raise AsyncDistError("this DistSession is already open; enter it only once")
+            raise AsyncDistError(
+                f"the DistSession of rank {self._rank} is already open; enter it only once"
+            )
         if self._state is State.CLOSED:
             raise SessionClosed(
-                "this DistSession was closed; create a new DistSession to start again"
+                f"the DistSession of rank {self._rank} was closed; create a new DistSession "
+                "to start again"
             )
         if dist.is_initialized():
             self._adopt()
@@ -535,8 +538,9 @@ class DistSession:
 
     def _check_open(self, op: str) -> None:
         if self._state is not State.OPEN:
+            where = f" on rank {self._rank}" if self._state is State.CLOSED else ""
             raise SessionClosed(
-                f"{op}: the session is {self._state.value}; issue collectives inside "
+                f"{op}{where}: the session is {self._state.value}; issue collectives inside "
                 "`with DistSession() as s:` (or `async with`)"
             )
         fault = self._health.fault
