@@ -161,7 +161,8 @@ def check_tensor(
     elif tensor.device.type != device.type:
         raise ValueError(
             f"{collective}: {what} is on {tensor.device} but this {backend} session "
-            f"works on {device}; move it with .to({str(device)!r})"
+            f"works on {device}; move it with .to({str(device)!r}) (or open the session "
+            "with device='cpu' for CPU tensors on gloo)"
         )
     return tensor
 
