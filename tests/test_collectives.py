@@ -73,7 +73,18 @@ def _surface(s: DistSession) -> dict[str, Any]:
     hs = s.send(torch.tensor([float(r), 1.0]), dst=right)
     hr = s.recv(inbox, src=left)
     out["send"] = hs.wait()
-    out["recv"] = hr.wait().tolist()
+    received = hr.wait()
+    out["recv"] = received.tolist()
+    # in-place ops hand back the very tensor they were given, not a copy
+    same = {"recv": received is inbox}
+    b = torch.zeros(2)
+    same["broadcast"] = s.broadcast(b, src=0).wait() is b
+    red_in = torch.ones(1)
+    same["reduce"] = s.reduce(red_in, dst=0).wait() is red_in
+    scatter_out = torch.zeros(1)
+    ones = [torch.ones(1)] * w if r == 0 else None
+    same["scatter"] = s.scatter(scatter_out, ones, src=0).wait() is scatter_out
+    out["same_tensor"] = same
     mixed = [
         torch.ones(2) * r,
         torch.tensor([r], dtype=torch.int64),
@@ -147,6 +158,14 @@ def test_reduce_scatter(surface: tuple[int, list[dict[str, Any]]]) -> None:
         assert out["reduce_scatter"] == [[(2 * rank) * factor, (2 * rank + 1) * factor]]
         assert out["reduce_scatter_mean"] == [factor / w]
         assert out["reduce_scatter_flat"] == [float(w)] * 2
+
+
+def test_in_place_results_are_the_tensors_passed_in(
+    surface: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = surface
+    for out in results:
+        assert out["same_tensor"] == dict.fromkeys(("recv", "broadcast", "reduce", "scatter"), True)
 
 
 def test_all_to_all(surface: tuple[int, list[dict[str, Any]]]) -> None:

@@ -322,7 +322,9 @@ def _unwaited_fault(s: DistSession, out: str) -> None:
         outcome = "clean exit"
     except PeerFailure:
         outcome = "PeerFailure"
-    _save(out, state=state, outcome=outcome)
+    # a broken session still releases everything: the group and its threads
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("asyncdist")]
+    _save(out, state=state, outcome=outcome, group=dist.is_initialized(), threads=threads)
 
 
 @pytest.mark.timeout(60)
@@ -330,7 +332,12 @@ def test_a_fault_nobody_waited_on_is_raised_when_the_session_is_left(tmp_path: P
     out = tmp_path / "rank0.json"
     with pytest.raises(AsyncDistError):
         spawn(_unwaited_fault, 2, args=(str(out),), timeout=10, join_timeout=30)
-    assert _load(out) == {"state": "broken", "outcome": "PeerFailure"}
+    assert _load(out) == {
+        "state": "broken",
+        "outcome": "PeerFailure",
+        "group": False,
+        "threads": [],
+    }
 
 
 # -- 12: exit without finalize -----------------------------------------------------------

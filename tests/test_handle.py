@@ -117,6 +117,12 @@ async def _cancel_then_await(session: DistSession) -> dict[str, object]:
             await h
         report["cancelled"] = scope.cancelled_caught
         report["done_after_cancel"] = h.done()
+        try:  # fail_after: the same, as a TimeoutError
+            with anyio.fail_after(0.1):
+                await h
+            report["fail_after"] = "no timeout"
+        except TimeoutError:
+            report["fail_after"] = "TimeoutError"
     result = await h
     report["value"] = result.tolist()
     return report
@@ -127,6 +133,7 @@ def test_cancelling_the_wait_never_cancels_the_collective(backend: str) -> None:
     rank0, rank1 = spawn(_cancel_then_await, 2, timeout=20, async_backend=backend)
     assert rank0["cancelled"] is True
     assert rank0["done_after_cancel"] is False
+    assert rank0["fail_after"] == "TimeoutError"
     assert rank0["value"] == [1.0] * 8
     assert rank1["value"] == [1.0] * 8
 
@@ -143,10 +150,11 @@ async def _loop_stays_free(session: DistSession) -> dict[str, int]:
     threads_during = threading.active_count()
 
     async def ticker() -> None:
-        nonlocal ticks
+        nonlocal ticks, threads_during
         while True:
             await anyio.sleep(0.01)
             ticks += 1
+            threads_during = max(threads_during, threading.active_count())
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
@@ -155,6 +163,7 @@ async def _loop_stays_free(session: DistSession) -> dict[str, int]:
         tg.cancel_scope.cancel()
     results.reverse()
     assert all(torch.equal(r, torch.full((16,), 2.0 * i)) for i, r in enumerate(results))
+    # the most threads seen while the handles were awaited
     return {"ticks": ticks, "extra_threads": threads_during - threads_before}
 
 

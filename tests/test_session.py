@@ -162,7 +162,7 @@ def test_bad_input_fails_before_launch_and_session_stays_usable(
 def _reduce_ops(session: DistSession) -> dict[str, list[float]]:
     r, n = session.rank, session.world_size
     out = {}
-    for op in ("sum", "mean", "min", "max", "product", dist.ReduceOp.SUM):
+    for op in ("sum", "mean", "min", "max", "product", dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         t = torch.tensor([r + 1.0, -(r + 1.0)])
         out[str(op)] = session.allreduce(t, op=op).wait().tolist()
     i = torch.tensor([r + 1], dtype=torch.int64)
@@ -182,6 +182,7 @@ def test_reduce_ops_against_hand_values() -> None:
         assert out["max"] == [3.0, -1.0]
         assert out["product"] == [6.0, -6.0]
         assert out[str(dist.ReduceOp.SUM)] == [6.0, -6.0]
+        assert out[str(dist.ReduceOp.AVG)] == [2.0, -2.0], "AVG on gloo: sum, then divide"
         assert out["int_sum"] == [6]
         assert out["bcast"] == [2.0, 2.0, 2.0]
 
