@@ -36,6 +36,7 @@ def test_translate_gloo_messages(message: str, expected: type[Exception]) -> Non
     assert isinstance(error, CollectiveError)
     assert "allreduce" in str(error)
     assert "rank 3" in str(error)
+    assert "Check " in str(error), "each message says what to check"
     assert error.op == "allreduce"
     assert error.rank == 3
 
