@@ -285,3 +285,18 @@ def _bad_inputs(s: DistSession) -> list[str]:
 def test_bad_inputs_fail_before_launch() -> None:
     messages = spawn(_bad_inputs, 2, timeout=20)[0]
     assert all(messages)
+
+
+def test_allreduce_coalesced_sends_one_buffer_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    with DistSession() as s:
+        launch = s._allreduce
+
+        def counting(name: str, flat: torch.Tensor, *args: Any) -> Any:
+            sizes.append(flat.numel())
+            return launch(name, flat, *args)
+
+        monkeypatch.setattr(s, "_allreduce", counting)
+        tensors = [torch.ones(2), torch.ones(3, dtype=torch.int64), torch.ones(2, 2)]
+        s.allreduce_coalesced(tensors).wait()
+    assert sorted(sizes) == [3, 6], "one flat float32 buffer (2 + 4), one int64 (3)"
