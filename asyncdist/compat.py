@@ -4,8 +4,9 @@ Code written against the old helper keeps working after changing its import::
 
     from asyncdist.compat import get_rank, get_world_size, allreduce, dist_mode
 
-with the helper's bugs fixed: no hard-coded port and no ``os.environ``
-writes; ``get_rank``/``get_world_size`` answer 0/1 outside any group instead of
+with the helper's bugs fixed: no hard-coded port and no lasting ``os.environ``
+writes (only the scoped one of :func:`asyncdist._env.gloo_on_loopback`);
+``get_rank``/``get_world_size`` answer 0/1 outside any group instead of
 hiding failures; ``dist_init`` works without CUDA and never computes
 ``rank % device_count``; ``dist_mode`` keeps the return value, finalizes on
 error and wraps ``async def`` functions; ``allreduce(..., async_op=True)``
@@ -79,6 +80,30 @@ def get_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _release(session: DistSession, why: str) -> None:
+    """Close ``session``, logging (not raising) a failure it reports on the way."""
+    try:
+        session.close()
+    except AsyncDistError as exc:
+        logger.warning("%s: %s", why, exc)
+
+
+def _forget_adopted() -> None:
+    """Release the session adopting a default group, and the groups split from it.
+
+    An adopted session does not own its group: closing it stops its worker
+    threads and releases its side groups, never the user's default group.
+    """
+    global _adopted
+    adopted, _adopted = _adopted, None
+    if adopted is None:
+        return
+    _release(adopted, "releasing the adopted session")
+    for group, sub in list(_groups.items()):
+        if sub.closed:  # split from it: closed with it
+            del _groups[group]
+
+
 def _session_for(group: Any, op: str) -> DistSession:
     global _adopted
     if group is not None and group is not dist.group.WORLD:
@@ -91,9 +116,15 @@ def _session_for(group: Any, op: str) -> DistSession:
             ) from None
     if _session is not None and not _session.closed:
         return _session
+    if _adopted is not None and (
+        _adopted.closed or not dist.is_initialized() or _adopted.group is not dist.group.WORLD
+    ):
+        # The group it adopted was destroyed (and maybe re-initialised) behind
+        # compat's back: stop its workers before adopting anew.
+        _forget_adopted()
     if not dist.is_initialized():
         raise SessionClosed(f"{op}: no process group; call dist_init() first")
-    if _adopted is None or _adopted.closed or _adopted.group is not dist.group.WORLD:
+    if _adopted is None:
         _adopted = DistSession().__enter__()
     return _adopted
 
@@ -196,17 +227,21 @@ def dist_init(
 
 
 def dist_finalize() -> None:
-    """Release the process group (``dist_init``'s, or the default one). Idempotent."""
-    global _session, _adopted
+    """Release the process group (``dist_init``'s, or the default one). Idempotent.
+
+    A session compat opened to adopt a default group made elsewhere is
+    released too (its worker threads stop), before that group is destroyed.
+    """
+    global _session
     session, _session = _session, None
-    adopted, _adopted = _adopted, None
-    _groups.clear()
-    if adopted is not None:
-        adopted.close()
-    if session is not None:
-        session.close()
-    elif dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        _forget_adopted()
+    finally:
+        _groups.clear()
+        if session is not None:
+            session.close()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def dist_mode(func: F) -> F:

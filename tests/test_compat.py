@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
+import threading
 from typing import Any
 
 import anyio
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from asyncdist import DistSession, Handle, SessionClosed, compat, spawn
+from asyncdist._env import bind_loopback
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,3 +156,90 @@ def test_dist_init_with_explicit_address() -> None:
     port = sock.getsockname()[1]
     sock.close()
     assert spawn(_dist_init_explicit, 2, args=(port,), timeout=20) == [(0, 2), (1, 2)]
+
+
+def _asyncdist_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("asyncdist") and t.is_alive())
+
+
+def _init_world_of_one() -> None:
+    """A default group made by the user, not by asyncdist: gloo, world 1, a
+    TCPStore on loopback with a port from the OS."""
+    sock = bind_loopback()
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            sock.getsockname()[1],
+            1,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=10),
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def _adopt_once(adopted: list[DistSession]) -> None:
+    _init_world_of_one()
+    t = torch.ones(2)
+    compat.allreduce(t)  # adopts the group
+    assert t.tolist() == [1.0, 1.0]
+    assert compat._adopted is not None
+    adopted.append(compat._adopted)  # to close them all, even if the test fails
+
+
+def _close_all(adopted: list[DistSession]) -> None:
+    compat.dist_finalize()
+    for session in adopted:
+        session.close()  # a no-op once compat released it
+
+
+@pytest.mark.timeout(30)
+def test_re_adopting_a_re_initialised_default_group_leaks_no_threads() -> None:
+    """The user destroys and re-inits the default group between cycles, never
+    calling dist_finalize: each new adoption releases the stale one."""
+    baseline = _asyncdist_threads()
+    counts: list[int] = []
+    adopted: list[DistSession] = []
+    try:
+        for _ in range(50):
+            _adopt_once(adopted)
+            dist.destroy_process_group()  # the user's own teardown; compat is not told
+            counts.append(_asyncdist_threads() - baseline)
+        assert len({id(s) for s in adopted}) == 50, "each new default group is adopted anew"
+        assert max(counts) == counts[0], f"threads grow per cycle: {counts}"
+        assert all(s.closed for s in adopted[:-1]), "each stale adoption was released"
+        compat.dist_finalize()  # releases the last adopted session
+        assert _asyncdist_threads() == baseline
+        assert not dist.is_initialized()
+    finally:
+        _close_all(adopted)
+
+
+@pytest.mark.timeout(30)
+def test_dist_finalize_releases_the_adopted_session() -> None:
+    baseline, adopted = _asyncdist_threads(), list[DistSession]()
+    try:
+        for _ in range(50):
+            _adopt_once(adopted)
+            assert _asyncdist_threads() > baseline, "an adopted session runs its workers"
+            compat.dist_finalize()
+            assert not dist.is_initialized()
+            assert _asyncdist_threads() == baseline, "dist_finalize released the adopted session"
+    finally:
+        _close_all(adopted)
+
+
+def test_collectives_after_the_user_destroyed_the_group_release_the_stale_session() -> None:
+    baseline, adopted = _asyncdist_threads(), list[DistSession]()
+    try:
+        _adopt_once(adopted)
+        dist.destroy_process_group()
+        with pytest.raises(SessionClosed, match="dist_init"):
+            compat.allreduce(torch.ones(1))
+        assert _asyncdist_threads() == baseline, "the stale adopted session was released"
+    finally:
+        _close_all(adopted)

@@ -1,10 +1,21 @@
 from __future__ import annotations
 
+import os
 import socket
+import threading
 
+import psutil
 import pytest
+import torch
+import torch.distributed as dist
 
-from asyncdist._env import bind_loopback, detect, first_slurm_host, is_loopback
+from asyncdist._env import (
+    bind_loopback,
+    detect,
+    first_slurm_host,
+    gloo_on_loopback,
+    is_loopback,
+)
 from asyncdist.errors import InitError
 
 
@@ -137,3 +148,91 @@ def test_is_loopback() -> None:
     assert is_loopback("localhost")
     assert not is_loopback("0.0.0.0")
     assert not is_loopback("node0")
+
+
+IFNAME = "GLOO_SOCKET_IFNAME"
+needs_lo = pytest.mark.skipif(
+    not {"lo", "lo0"} & {name for _, name in socket.if_nameindex()},
+    reason="no loopback interface named lo/lo0",
+)
+
+
+@needs_lo
+def test_gloo_env_write_excludes_other_group_creations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one creation has GLOO_SOCKET_IFNAME set, another waits, then sees it gone."""
+    monkeypatch.delenv(IFNAME, raising=False)
+    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
+    seen: list[str | None] = []
+
+    def loopback_creation() -> None:
+        with gloo_on_loopback(True):
+            inside.set()
+            release.wait(10)
+
+    def other_creation() -> None:  # e.g. a multi-node session opening in another thread
+        with gloo_on_loopback(False):
+            seen.append(os.environ.get(IFNAME))
+            entered.set()
+
+    first = threading.Thread(target=loopback_creation)
+    first.start()
+    second = threading.Thread(target=other_creation)
+    try:
+        assert inside.wait(5)
+        assert os.environ.get(IFNAME) in ("lo", "lo0"), "the write is scoped to the block"
+        second.start()
+        assert not entered.wait(0.3), "another creation must wait while the variable is set"
+    finally:
+        release.set()
+        first.join(5)
+        if second.ident is not None:
+            second.join(5)
+    assert entered.is_set()
+    assert seen == [None], "the other creation must not read the loopback value"
+    assert IFNAME not in os.environ
+
+
+@needs_lo
+def test_gloo_env_write_is_undone_on_error_and_nests(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(IFNAME, raising=False)
+    with pytest.raises(KeyError), gloo_on_loopback(True):
+        with gloo_on_loopback(True):  # reentrant: a creation inside a creation
+            assert os.environ.get(IFNAME) in ("lo", "lo0")
+        assert os.environ.get(IFNAME) in ("lo", "lo0"), "the outer block owns the write"
+        raise KeyError("creation failed")
+    assert IFNAME not in os.environ
+
+
+def test_gloo_env_never_overrides_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(IFNAME, "eth7")
+    with gloo_on_loopback(True):
+        assert os.environ[IFNAME] == "eth7"
+    assert os.environ[IFNAME] == "eth7"
+
+
+@needs_lo
+def test_gloo_group_made_under_gloo_on_loopback_listens_on_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(IFNAME, raising=False)
+    before = _listening()
+    try:
+        with gloo_on_loopback(True):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        assert IFNAME not in os.environ
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        gloo = _listening() - before  # a HashStore listens nowhere: these are gloo's
+        assert gloo, "gloo's device listens"
+        assert all(is_loopback(ip) for ip, _ in gloo), gloo
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _listening() -> set[tuple[str, int]]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
