@@ -34,8 +34,7 @@ def _info(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from . import __version__
-    from ._env import detect
-    from ._session import _choose_backend, _choose_device
+    from ._env import choose_backend, choose_device, detect
     from .errors import AsyncDistError
 
     table = Table(title="what DistSession() would do here", show_header=False)
@@ -43,8 +42,8 @@ def _info(args: argparse.Namespace) -> int:
     table.add_column("value")
     try:
         env = detect()
-        device = _choose_device(None, None, env.local_rank)
-        backend = _choose_backend(None, device)
+        device = choose_device(None, None, env.local_rank)
+        backend = choose_backend(None, device)
         where = (
             f"{env.master_addr}:{env.master_port}"
             if env.master_port

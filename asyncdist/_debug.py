@@ -8,8 +8,8 @@ from C++ on a size mismatch). If the fingerprints differ, every rank raises
 :class:`~asyncdist.CollectiveMismatch` naming both sides, and nothing is
 launched.
 
-This module is pure: it builds, encodes and compares fingerprints; the
-session does the exchange.
+This module is pure: it numbers, builds, encodes and compares fingerprints
+(:class:`Verifier`); the communication layer does the exchange.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+
+from .errors import CollectiveMismatch
 
 FINGERPRINT_BYTES = 1024
 
@@ -136,3 +138,59 @@ def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
             detail = f"{_what(first)} on rank 0 vs {_what(fp)} on rank {rank}"
         return f"collective #{first.seq}: {detail}"
     return None
+
+
+class Verifier:
+    """Debug mode's bookkeeping for one lane: the sequence number of each
+    collective and who issued the last one.
+
+    :meth:`fingerprint` runs on the issuing thread, at the call, so it sees
+    the issuing task; :meth:`check` runs once every rank's fingerprint is in.
+    """
+
+    __slots__ = ("_last_issuer", "_seq", "rank")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._seq = 0
+        self._last_issuer = ""
+
+    def fingerprint(
+        self,
+        op: str,
+        tensors: Sequence[torch.Tensor] = (),
+        *,
+        reduce: str = "",
+        root: int | None = None,
+        pairwise: bool = False,
+        issuer: str,
+        busy: bool,
+    ) -> Fingerprint:
+        """Number this call and describe it. ``busy``: a collective of this
+        lane is still outstanding, so a different ``issuer`` than the last
+        one means two tasks issue at once (their interleaving differs between
+        ranks)."""
+        conflict = ""
+        if busy and self._last_issuer and issuer != self._last_issuer:
+            conflict = f"{self._last_issuer} and {issuer}"
+        self._last_issuer = issuer
+        self._seq += 1
+        return Fingerprint(
+            self._seq,
+            op,
+            tuple(describe(t) for t in tensors),
+            reduce,
+            root,
+            conflict,
+            {"pairwise": True} if pairwise else {},
+        )
+
+    def check(self, op: str, fingerprints: Sequence[Fingerprint]) -> None:
+        """Raise if the ranks' fingerprints (by rank) disagree.
+
+        Raises:
+            CollectiveMismatch: naming both sides of the first disagreement.
+        """
+        problem = mismatch(fingerprints)
+        if problem is not None:
+            raise CollectiveMismatch(f"{op} on rank {self.rank}: {problem}")

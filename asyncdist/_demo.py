@@ -56,7 +56,7 @@ async def train(session: DistSession, steps: int, bucket_mb: float) -> dict[str,
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sync = session.gradient_sync(model, bucket_mb=bucket_mb)
-    sync.broadcast_parameters(src=0)
+    await sync.broadcast_parameters_async(src=0)
     grads = [p for p in model.parameters() if p.requires_grad]
     nbytes = sum(p.numel() * p.element_size() for p in grads)
     batches = _data(session.rank, steps)

@@ -24,7 +24,9 @@ import socket
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import torch
 
 from .errors import InitError
 
@@ -88,6 +90,17 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def launcher_local_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's index on its machine as the launcher gives it:
+    ``LOCAL_RANK`` under torchrun, ``SLURM_LOCALID`` under SLURM, else ``None``."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _int(env, "LOCAL_RANK")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _int(env, "SLURM_LOCALID")
+    return _int(env, "LOCAL_RANK")
+
+
 def _slurm_port(environ: Mapping[str, str]) -> int | None:
     job_id = _int(environ, "SLURM_JOB_ID")
     if job_id is None:
@@ -119,13 +132,13 @@ def detect(
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun"
         env_rank, env_world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        env_local = _int(env, "LOCAL_RANK")
+        env_local = launcher_local_rank(env)
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         attempt = _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         launcher = "slurm"
         env_rank, env_world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-        env_local = _int(env, "SLURM_LOCALID")
+        env_local = launcher_local_rank(env)
         if addr is None:
             nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
             addr = first_slurm_host(nodelist)
@@ -170,6 +183,53 @@ def detect(
         agent_store=agent_store,
         attempt=attempt,
     )
+
+
+def choose_device(device: Any, backend: str | None, local_rank: int) -> torch.device:
+    """The session's device: explicit, else CUDA ``LOCAL_RANK`` for NCCL or when
+    CUDA is present (and the backend is not gloo), else CPU. Never
+    ``rank % device_count``.
+
+    Raises:
+        InitError: the chosen CUDA device does not exist here.
+    """
+    if device is not None:
+        chosen = torch.device(device)
+        if str(chosen) == "cuda":  # no index: this process's LOCAL_RANK
+            chosen = torch.device("cuda", local_rank)
+    elif backend == "gloo":
+        return torch.device("cpu")
+    elif backend == "nccl" or torch.cuda.is_available():
+        chosen = torch.device("cuda", local_rank)
+    else:
+        return torch.device("cpu")
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count()
+        if chosen.index is not None and chosen.index >= count:
+            raise InitError(
+                f"this process wants {chosen} (LOCAL_RANK={local_rank}) but sees "
+                f"{count} CUDA device(s); start at most one process per GPU, or check "
+                "CUDA_VISIBLE_DEVICES"
+            )
+    return chosen
+
+
+def choose_backend(backend: str | None, device: torch.device) -> str:
+    """``backend`` checked, or the default for ``device``: NCCL on CUDA, else gloo.
+
+    Raises:
+        TypeError, ValueError: not a backend name, or NCCL without a CUDA device.
+    """
+    if backend is None:
+        return "nccl" if device.type == "cuda" else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, not {type(backend).__name__}")
+    backend = backend.lower()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("the nccl backend needs a CUDA device; use backend='gloo' on CPU")
+    return backend
 
 
 def is_loopback(host: str) -> bool:

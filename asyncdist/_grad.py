@@ -19,18 +19,32 @@ stream of collectives is identical everywhere:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator, Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 
 from . import _ops
-from ._handle import Handle, wait_all
-
-if TYPE_CHECKING:
-    from ._session import DistSession
+from ._handle import Handle, combined, wait_all
 
 MB = 1 << 20
+
+
+class Lane(Protocol):
+    """What gradient averaging needs of a session (or any lane)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def allreduce(
+        self, tensor: torch.Tensor, op: _ops.ReduceOpLike = ...
+    ) -> Handle[torch.Tensor]: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = ...) -> Handle[torch.Tensor]: ...
+
+    def broadcast_object(
+        self, obj: Any, src: int = ..., *, allowed: Iterable[Any] | None = ...
+    ) -> Handle[Any]: ...
 
 
 class _Bucket:
@@ -62,7 +76,7 @@ class GradientSync:
     after ``loss.backward()`` and before ``optimizer.step()``::
 
         sync = session.gradient_sync(model)
-        sync.broadcast_parameters()          # same start on every rank
+        await sync.broadcast_parameters_async()  # same start on every rank
         for x, y in loader:
             loss_fn(model(x), y).backward()  # buckets reduced during backward
             await sync                       # every .grad is now the average
@@ -76,7 +90,7 @@ class GradientSync:
 
     def __init__(
         self,
-        session: DistSession,
+        session: Lane,
         module: torch.nn.Module,
         *,
         bucket_mb: float = 25.0,
@@ -95,7 +109,7 @@ class GradientSync:
         name = _ops.reduction_name(op, collective="gradient_sync")
         if name not in ("mean", "sum"):
             raise ValueError(f"gradient_sync: op must be 'mean' or 'sum', not {op!r}")
-        self._session = session
+        self._lane = session
         self._module = module
         self._op = name
         self._cap = int(bucket_mb * MB)
@@ -138,7 +152,7 @@ class GradientSync:
                 current, size = [], 0
         if current:
             buckets.append(current)
-        device = self._session.device
+        device = self._lane.device
         self._buckets = [_Bucket(params, device) for params in buckets]
         self._where = {
             self._index[id(param)]: (b, slot)
@@ -179,7 +193,7 @@ class GradientSync:
                 for slot, param in enumerate(bucket.params):
                     if param.grad is None:
                         bucket.slot(slot).zero_()
-            bucket.handle = self._session.allreduce(bucket.buffer, op=self._op)
+            bucket.handle = self._lane.allreduce(bucket.buffer, op=self._op)
             self._next_launch += 1
 
     # -- finishing a step ---------------------------------------------------------------
@@ -213,7 +227,7 @@ class GradientSync:
         order = list(dict.fromkeys(arrivals)) + [
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
-        return self._session.broadcast_object(order, src=0, allowed=[])
+        return self._lane.broadcast_object(order, src=0, allowed=[])
 
     def wait(self) -> None:
         """Block until every bucket is reduced and gradients are written back."""
@@ -249,20 +263,32 @@ class GradientSync:
         finally:
             self._enabled = previous
 
-    def broadcast_parameters(self, src: int = 0) -> None:
-        """Copy every parameter and buffer from rank ``src`` to all ranks (blocking)."""
+    def _broadcast_parameters(self, src: int) -> Handle[None]:
+        """Launch the broadcasts of every parameter and buffer, one flat buffer
+        per dtype; waiting copies the received values back."""
         tensors = [p.data for p in self._module.parameters()]
         tensors += [b.data for b in self._module.buffers()]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group]).to(self._session.device)
-            self._session.broadcast(flat, src=src).wait()
-            offset = 0
-            for tensor in group:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+        groups = list(_ops.by_dtype(tensors).values())
+        flats = [_ops.pack(group, self._lane.device) for group in groups]
+        parts = [self._lane.broadcast(flat, src=src) for flat in flats]
+
+        def copy_back(received: list[torch.Tensor]) -> None:
+            for flat, group in zip(received, groups, strict=True):
+                _ops.unpack(flat, group)
+
+        return combined("broadcast_parameters", parts, copy_back)
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Copy every parameter and buffer from rank ``src`` to all ranks,
+        blocking until done (in async code, use
+        [broadcast_parameters_async][asyncdist.GradientSync.broadcast_parameters_async])."""
+        self._broadcast_parameters(src).wait()
+
+    async def broadcast_parameters_async(self, src: int = 0) -> None:
+        """[broadcast_parameters][asyncdist.GradientSync.broadcast_parameters]
+        for async code: the broadcasts launch at once and are awaited, so the
+        event loop runs while a peer is late."""
+        await self._broadcast_parameters(src)
 
     def remove(self) -> None:
         """Take the hooks off the module. Idempotent."""

@@ -77,6 +77,16 @@ class Health:
         if isinstance(error, AsyncDistError):
             self.fault_seen = True
 
+    def fail(self, exc: BaseException, *, op: str) -> AsyncDistError:
+        """Translate a backend error raised straight to the caller, break the
+        session with it and mark it seen; the caller raises the result."""
+        error = translate(exc, op=op, rank=self.rank, timeout=self.timeout)
+        if error is not exc:
+            error.__cause__ = exc
+        self.break_(error)
+        self.saw(error)
+        return error
+
 
 class _Completion:
     """One-shot result cell, set from any thread, first setter wins.
@@ -287,26 +297,35 @@ class Handle(Generic[T_co]):
         raise TypeError("Handle has no public constructor; DistSession methods return handles")
 
     @classmethod
-    def _create(
-        cls,
-        op: str,
-        health: Health | None,
-        finish: Callable[[], Any],
-        work: Any = None,
-        *,
-        streamed: bool = False,
-    ) -> Handle[Any]:
+    def _create(cls, op: str, health: Health | None, finish: Callable[[], Any]) -> Handle[Any]:
+        """A handle for a collective about to be issued; :meth:`_attach` gives
+        it the work once torch accepted it."""
         self = object.__new__(cls)
         self._op = op
         self._completion = _Completion()
         self._health = health
         self._launched = time.monotonic()
-        self._work = work
+        self._work = None
         self._finish = finish
         self._hooked = False
         self._observed = False
-        self._streamed = streamed
+        self._streamed = False
         return self
+
+    def _attach(self, work: Any, *, streamed: bool = False, hook: bool = False) -> None:
+        """Observe ``work`` (a torch Work with a future; ``None`` when a
+        completer settles the handle). ``hook``: settle from the future's
+        callback at once, for a waiter that may already be parked on the
+        completion (a launch deferred to another thread)."""
+        self._streamed = streamed
+        self._work = work
+        if hook:
+            self._hook()
+
+    def _fail(self, error: BaseException) -> None:
+        """Settle with ``error`` before anything was launched (a local error)."""
+        if self._completion.claim():
+            self._completion.set_error(error)
 
     # -- inspection --------------------------------------------------------
 
@@ -334,13 +353,18 @@ class Handle(Generic[T_co]):
         return self._completion.error()
 
     def __repr__(self) -> str:
+        # Pure: it must not mark an error as seen (that changes what leaving
+        # the session raises), so it reads the cell, not exception().
         if not self.done():
             status = "pending"
-        elif (error := self.exception()) is not None:
+        elif (error := self._error()) is not None:
             status = f"failed: {type(error).__name__}"
         else:
             status = "done"
         return f"<Handle {self._op} {status}>"
+
+    def _error(self) -> BaseException | None:
+        return self._completion.error()
 
     def __reduce__(self) -> Any:
         raise TypeError("a Handle belongs to the process that launched it; it cannot be pickled")
@@ -516,6 +540,9 @@ class _AllHandle(Handle[list[Any]]):
 
     def exception(self) -> BaseException | None:
         return next((e for p in self._parts if (e := p.exception()) is not None), None)
+
+    def _error(self) -> BaseException | None:
+        return next((e for p in self._parts if (e := p._error()) is not None), None)
 
     def wait(self, timeout: float | None = None) -> Any:
         limit = None if timeout is None else time.monotonic() + timeout

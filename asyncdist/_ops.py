@@ -1,12 +1,14 @@
-"""Argument checks and reduce-op mapping, done on the calling rank before launch.
+"""Pure helpers of the collectives: argument checks, reduce ops, packing, wire views.
 
-Everything here is pure: it inspects arguments and raises ``TypeError`` or
-``ValueError`` with a message naming the collective, and never touches the
-process group.
+Everything here is pure: it inspects or reshapes tensors and raises
+``TypeError`` or ``ValueError`` with a message naming the collective, and
+never touches the process group. Checks run on the calling rank before
+launch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -84,12 +86,15 @@ def reduction(op: Any, dtype: torch.dtype, *, backend: str, collective: str) -> 
         ValueError: an unknown name, or an op the dtype cannot do ("mean" on
             integers, "min"/"max"/"product" on complex, bitwise ops on floats).
     """
-    try:
-        return _resolved[op, dtype, backend]
-    except (KeyError, TypeError):  # not seen yet, or unhashable (an error below)
-        pass
+    # Only names and RedOpTypes are memoised: an int such as 3 hashes and
+    # compares equal to a RedOpType and must not hit the cache (it is refused).
+    memoised = type(op) is str or type(op) is dist.ReduceOp.RedOpType
+    if memoised:
+        cached = _resolved.get((op, dtype, backend))
+        if cached is not None:
+            return cached
     result = _resolve(op, dtype, backend=backend, collective=collective)
-    if isinstance(op, (str, dist.ReduceOp.RedOpType)):
+    if memoised:
         _resolved[op, dtype, backend] = result
     return result
 
@@ -181,3 +186,98 @@ def check_rank(value: Any, *, world_size: int, collective: str, what: str) -> in
             f"{collective}: {what}={value} is outside this group's ranks 0..{world_size - 1}"
         )
     return value
+
+
+def check_peer(value: Any, *, rank: int, world_size: int, collective: str, what: str) -> int:
+    """:func:`check_rank`, and not this rank itself (point-to-point ops).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_rank`, or ``value`` is ``rank``.
+    """
+    peer = check_rank(value, world_size=world_size, collective=collective, what=what)
+    if peer == rank:
+        raise ValueError(
+            f"{collective}: {what}={peer} is this rank; a rank cannot {collective} to itself"
+        )
+    return peer
+
+
+def tensor_list(
+    tensors: Any,
+    *,
+    collective: str,
+    backend: str,
+    device: torch.device,
+    what: str,
+    length: int | None = None,
+) -> list[torch.Tensor]:
+    """Return ``tensors`` as a list if each passes :func:`check_tensor`.
+
+    Raises:
+        TypeError: not a sequence of tensors.
+        ValueError: not ``length`` of them, or a tensor :func:`check_tensor` refuses.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(
+            f"{collective}: {what} must be a list of tensors, not {type(tensors).__name__}"
+        )
+    if length is not None and len(tensors) != length:
+        raise ValueError(
+            f"{collective}: {what} must hold {length} tensors (one per rank), not {len(tensors)}"
+        )
+    return [
+        check_tensor(t, collective=collective, backend=backend, device=device, what=f"{what}[{i}]")
+        for i, t in enumerate(tensors)
+    ]
+
+
+# -- shaping for the wire -----------------------------------------------------------
+
+
+def wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What travels for ``tensor``: complex as pairs of reals (backends reduce
+    those element-wise, which is right for sum and mean)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def by_dtype(tensors: Iterable[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """``tensors`` grouped by dtype, each group in the given order."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return groups
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """One flat buffer holding ``tensors`` (all of one dtype) back to back."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return flat if device is None else flat.to(device)
+
+
+def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy :func:`pack`'s buffer back into ``tensors``, in place."""
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        tensor.copy_(flat[offset : offset + count].view_as(tensor))
+        offset += count
+
+
+def averaged(
+    tensor: torch.Tensor, reduction: Reduction, world_size: int, *, here: bool = True
+) -> Callable[[], torch.Tensor]:
+    """The finishing step of a reduction into ``tensor``: divide by the group
+    size for a "mean" the backend summed (only where the result lands,
+    ``here``), then hand back ``tensor``."""
+    if not (reduction.divide and here):
+        return lambda: tensor
+
+    def finish() -> torch.Tensor:
+        return tensor.div_(world_size)
+
+    return finish

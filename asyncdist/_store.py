@@ -26,7 +26,7 @@ import uuid
 
 import torch.distributed as dist
 
-from ._env import LaunchEnv, bind_loopback, is_loopback
+from ._env import LOOPBACK, LaunchEnv, bind_loopback, is_loopback
 from .errors import InitError
 
 _lock = threading.Lock()
@@ -37,9 +37,12 @@ GENERATION_KEY = "asyncdist/generation"
 _POLL_FIRST, _POLL_MAX = 0.002, 0.1  # seconds between checks, doubling
 
 
-def host_loopback_store(world_size: int, timeout: float) -> dist.TCPStore:
-    """A master ``TCPStore`` listening on 127.0.0.1 only, on a port the OS picks."""
-    sock = bind_loopback()
+def host_loopback_store(
+    world_size: int, timeout: float, host: str = LOOPBACK, port: int = 0
+) -> dist.TCPStore:
+    """A master ``TCPStore`` listening on loopback only (on ``host``, by
+    default 127.0.0.1), on ``port`` or, for 0, a port the OS picks."""
+    sock = bind_loopback(host, port)
     host, port = sock.getsockname()[:2]
     try:
         store = dist.TCPStore(
@@ -62,22 +65,7 @@ def _connect(env: LaunchEnv, timeout: float) -> dist.Store:
     assert env.master_port is not None
     hosting = env.rank == 0 and not env.agent_store
     if hosting and is_loopback(env.master_addr):
-        sock = bind_loopback(env.master_addr, env.master_port)
-        try:
-            store = dist.TCPStore(
-                env.master_addr,
-                env.master_port,
-                env.world_size,
-                is_master=True,
-                timeout=datetime.timedelta(seconds=timeout),
-                wait_for_workers=False,
-                master_listen_fd=sock.fileno(),
-            )
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()
-        return store
+        return host_loopback_store(env.world_size, timeout, env.master_addr, env.master_port)
     if not hosting:
         timeout = _wait_for_master(env.master_addr, env.master_port, timeout)
     return dist.TCPStore(

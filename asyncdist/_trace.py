@@ -13,9 +13,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol
 
 from ._handle import Handle
 
@@ -108,3 +109,92 @@ def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
     """``trace.json`` -> ``trace.rank3.json``."""
     target = Path(path)
     return target.with_name(f"{target.stem}.rank{rank}{target.suffix or '.json'}")
+
+
+def rank_events(rank: int, world_size: int, events: list[dict[str, Any]]) -> list[list[Any]]:
+    """Events by rank, holding only this rank's own (a per-rank trace file)."""
+    return [events if r == rank else [] for r in range(world_size)]
+
+
+class Traced(Protocol):
+    """What a traced lane offers :class:`TraceBlock`."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def tracer(self) -> Tracer | None: ...
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer | None) -> None: ...
+
+
+class TraceBlock:
+    """The block of ``session.trace(path)``: ``with`` in sync code, ``async with`` in async code.
+
+    Every rank enters it. On a normal exit the ranks gather their events
+    (an object collective) and rank 0 writes ``path``; ``async with`` awaits
+    that gather, so the loop keeps running while a peer is late. If the block
+    raises, each rank writes its own ``path`` with ``.rank<r>`` inserted and
+    nothing is exchanged (a peer may be gone).
+    """
+
+    __slots__ = ("_gather", "_lane", "_path", "_started", "_tracer")
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        lane: Traced,
+        gather: Callable[[list[dict[str, Any]]], Handle[list[Any]]],
+    ) -> None:
+        self._path = path
+        self._lane = lane
+        self._gather = gather
+        self._started = False
+        self._tracer: Tracer | None = None
+
+    def __enter__(self) -> None:
+        tracer = self._lane.tracer
+        self._started = tracer is None
+        if tracer is None:
+            tracer = self._lane.tracer = Tracer(self._lane.rank)
+        self._tracer = tracer
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    def _leave(self, failed: bool) -> Handle[list[Any]] | None:
+        """Stop tracing; the gather to wait for, on a normal exit."""
+        lane, tracer = self._lane, self._tracer
+        assert tracer is not None
+        if self._started:
+            lane.tracer = None
+        if failed:
+            events = rank_events(lane.rank, lane.world_size, tracer.snapshot())
+            write(rank_path(self._path, lane.rank), events)
+            return None
+        return self._gather(tracer.snapshot())
+
+    def _write(self, events: list[list[dict[str, Any]]]) -> None:
+        if self._lane.rank == 0:
+            write(self._path, events)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        gathered = self._leave(exc is not None)
+        if gathered is not None:
+            self._write(gathered.wait())
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        gathered = self._leave(exc is not None)
+        if gathered is not None:
+            self._write(await gathered)

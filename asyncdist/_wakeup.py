@@ -91,6 +91,16 @@ async def _wait_trio(
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
+def in_async_context() -> bool:
+    """True when called from a task of a running asyncio or trio loop (where
+    blocking would stall the loop), False from plain threads."""
+    try:
+        sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+    return True
+
+
 def current_issuer() -> str:
     """Who is issuing a collective: the running task, or else the thread."""
     try:

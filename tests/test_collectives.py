@@ -6,7 +6,10 @@ test then checks one collective.
 
 from __future__ import annotations
 
+import json
 import random
+import re
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -251,52 +254,89 @@ def test_300_handles_awaited_in_random_order(backend: str) -> None:
 # -- bad input ------------------------------------------------------------------------
 
 
-def _bad_inputs(s: DistSession) -> list[str]:
+def _bad_inputs(s: DistSession) -> list[tuple[str, str]]:
+    me = s.rank
+    # (the call, the error it raises, what its message must say)
     bad = [
-        (lambda: s.all_gather([1]), TypeError),
-        (lambda: s.reduce_scatter(torch.ones(3)), ValueError),  # 3 does not split in 2
-        (lambda: s.all_to_all([torch.ones(1)]), ValueError),  # one tensor for two ranks
-        (lambda: s.all_to_all(torch.ones(2)), TypeError),
-        (lambda: s.all_to_all([torch.ones(1), torch.ones(2)]), ValueError),  # gloo: one shape
-        (lambda: s.reduce(torch.ones(1), dst=2), ValueError),
-        (lambda: s.gather(torch.ones(1), dst=-1), ValueError),
-        (lambda: s.scatter(torch.ones(1), None, src=s.rank), ValueError),
-        (lambda: s.scatter(torch.ones(1), [torch.ones(2)] * 2, src=s.rank), ValueError),
-        (lambda: s.send(torch.ones(1), dst=s.rank), ValueError),
-        (lambda: s.recv(torch.ones(1), src=5), ValueError),
-        (lambda: s.allreduce_coalesced([torch.ones(1), "x"]), TypeError),
-        (lambda: s.allreduce_coalesced([torch.ones(1, dtype=torch.int64)], op="mean"), ValueError),
-        (lambda: s.allreduce_coalesced([], op="bogus"), ValueError),
-        (lambda: s.broadcast_object(lambda: 1, src=s.rank), TypeError),
-        (lambda: s.broadcast_object(1, src=2), ValueError),
+        (lambda: s.all_gather([1]), TypeError, r"^all_gather: .*torch\.Tensor.*\blist\b"),
+        (
+            lambda: s.reduce_scatter(torch.ones(3)),  # 3 does not split in 2
+            ValueError,
+            r"^reduce_scatter: .*3 elements.*\b2\b",
+        ),
+        (
+            lambda: s.all_to_all([torch.ones(1)]),  # one tensor for two ranks
+            ValueError,
+            r"^all_to_all: .*2 tensors.*\b1\b",
+        ),
+        (lambda: s.all_to_all(torch.ones(2)), TypeError, r"^all_to_all: .*list of tensors.*Tensor"),
+        (
+            lambda: s.all_to_all([torch.ones(1), torch.ones(2)]),  # gloo: one shape
+            ValueError,
+            rf"^all_to_all on rank {me}: .*float32\[1\], float32\[2\]",
+        ),
+        (lambda: s.reduce(torch.ones(1), dst=2), ValueError, r"^reduce: dst=2 .*0\.\.1"),
+        (lambda: s.gather(torch.ones(1), dst=-1), ValueError, r"^gather: dst=-1 .*0\.\.1"),
+        (
+            lambda: s.scatter(torch.ones(1), None, src=me),
+            ValueError,
+            rf"^scatter: rank {me} is the source and must pass chunks",
+        ),
+        (
+            lambda: s.scatter(torch.ones(1), [torch.ones(2)] * 2, src=me),
+            ValueError,
+            r"^scatter: .*float32\[1\].*float32\[2\]",
+        ),
+        (lambda: s.send(torch.ones(1), dst=me), ValueError, rf"^send: dst={me} is this rank"),
+        (lambda: s.recv(torch.ones(1), src=5), ValueError, r"^recv: src=5 .*0\.\.1"),
+        (
+            lambda: s.allreduce_coalesced([torch.ones(1), "x"]),
+            TypeError,
+            r"^allreduce_coalesced: tensors\[1\] .*torch\.Tensor.*\bstr\b",
+        ),
+        (
+            lambda: s.allreduce_coalesced([torch.ones(1, dtype=torch.int64)], op="mean"),
+            ValueError,
+            r"^allreduce_coalesced: 'mean' .*int64",
+        ),
+        (
+            lambda: s.allreduce_coalesced([], op="bogus"),
+            ValueError,
+            r"^allreduce_coalesced: .*'bogus'.*'sum', 'mean', 'min', 'max', 'product'",
+        ),
+        (
+            lambda: s.broadcast_object(lambda: 1, src=me),
+            TypeError,
+            r"^broadcast_object: .*cannot be pickled",
+        ),
+        (lambda: s.broadcast_object(1, src=2), ValueError, r"^broadcast_object: src=2 .*0\.\.1"),
     ]
     messages = []
-    for call, error in bad:
+    for call, error, expected in bad:
         with pytest.raises(error) as info:
             call()
-        messages.append(str(info.value))
-    assert len(s._outstanding) == 0 or all(h.done() for h in s._outstanding)
+        messages.append((expected, str(info.value)))
     t = torch.ones(2)
-    s.allreduce(t).wait()  # still usable, and still in step with the peer
+    s.allreduce(t).wait()  # still usable, and still in step: nothing was launched
     assert t.tolist() == [2.0, 2.0]
     return messages
 
 
 def test_bad_inputs_fail_before_launch() -> None:
-    messages = spawn(_bad_inputs, 2, timeout=20)[0]
-    assert all(messages)
+    for rank, messages in enumerate(spawn(_bad_inputs, 2, timeout=20)):
+        assert len(messages) == 16
+        for expected, message in messages:
+            # each names the op and the offending argument or value, on this rank
+            assert re.search(expected, message), f"rank {rank}: {message!r} !~ {expected!r}"
 
 
-def test_allreduce_coalesced_sends_one_buffer_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    sizes: list[int] = []
-    with DistSession() as s:
-        launch = s._allreduce
-
-        def counting(name: str, flat: torch.Tensor, *args: Any) -> Any:
-            sizes.append(flat.numel())
-            return launch(name, flat, *args)
-
-        monkeypatch.setattr(s, "_allreduce", counting)
-        tensors = [torch.ones(2), torch.ones(3, dtype=torch.int64), torch.ones(2, 2)]
-        s.allreduce_coalesced(tensors).wait()
-    assert sorted(sizes) == [3, 6], "one flat float32 buffer (2 + 4), one int64 (3)"
+def test_allreduce_coalesced_sends_one_buffer_per_dtype(tmp_path: Path) -> None:
+    # The session's trace records one event per launched collective, with its bytes.
+    with DistSession(trace=tmp_path / "t.json") as s:
+        tensors = [torch.ones(2), torch.ones(4, dtype=torch.int64), torch.ones(2, 2)]
+        assert s.allreduce_coalesced(tensors).wait() is tensors
+    doc = json.loads((tmp_path / "t.rank0.json").read_text())
+    launched = [(e["name"], e["args"]["bytes"]) for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert sorted(launched) == [("allreduce_coalesced", 24), ("allreduce_coalesced", 32)], (
+        "one flat float32 buffer (2 + 4 elements), one int64 (4)"
+    )

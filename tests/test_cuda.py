@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncdist import DistSession, InitError, spawn
-from asyncdist._session import _choose_backend, _choose_device
+from asyncdist._env import choose_backend, choose_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_nccl = pytest.mark.skipif(
@@ -30,34 +30,34 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_device_comes_from_local_rank_never_rank_modulo(fake_gpus: None) -> None:
     # global rank 13 on a node of 4 GPUs with LOCAL_RANK 1: cuda:1, not cuda:(13 % 4)
-    assert _choose_device(None, None, local_rank=1) == torch.device("cuda", 1)
-    assert _choose_device("cuda", None, local_rank=3) == torch.device("cuda", 3)
-    assert _choose_device("cuda:2", None, local_rank=0) == torch.device("cuda", 2)
-    assert _choose_device(None, "gloo", local_rank=1) == torch.device("cpu")
-    assert _choose_device("cpu", None, local_rank=1) == torch.device("cpu")
+    assert choose_device(None, None, local_rank=1) == torch.device("cuda", 1)
+    assert choose_device("cuda", None, local_rank=3) == torch.device("cuda", 3)
+    assert choose_device("cuda:2", None, local_rank=0) == torch.device("cuda", 2)
+    assert choose_device(None, "gloo", local_rank=1) == torch.device("cpu")
+    assert choose_device("cpu", None, local_rank=1) == torch.device("cpu")
 
 
 def test_more_local_ranks_than_gpus_is_an_init_error(fake_gpus: None) -> None:
     with pytest.raises(InitError, match="LOCAL_RANK=5"):
-        _choose_device(None, None, local_rank=5)
+        choose_device(None, None, local_rank=5)
 
 
 def test_no_gpu_means_cpu_and_no_division_by_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert _choose_device(None, None, local_rank=7) == torch.device("cpu")
+    assert choose_device(None, None, local_rank=7) == torch.device("cpu")
 
 
 def test_backend_follows_the_device() -> None:
-    assert _choose_backend(None, torch.device("cuda", 0)) == "nccl"
-    assert _choose_backend(None, torch.device("cpu")) == "gloo"
-    assert _choose_backend("GLOO", torch.device("cuda", 0)) == "gloo"  # gloo carries CUDA too
+    assert choose_backend(None, torch.device("cuda", 0)) == "nccl"
+    assert choose_backend(None, torch.device("cpu")) == "gloo"
+    assert choose_backend("GLOO", torch.device("cuda", 0)) == "gloo"  # gloo carries CUDA too
     with pytest.raises(ValueError, match="CUDA device"):
-        _choose_backend("nccl", torch.device("cpu"))
+        choose_backend("nccl", torch.device("cpu"))
     with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
-        _choose_backend("mpi", torch.device("cpu"))
+        choose_backend("mpi", torch.device("cpu"))
     with pytest.raises(TypeError):
-        _choose_backend(3, torch.device("cpu"))  # type: ignore[arg-type]
+        choose_backend(3, torch.device("cpu"))  # type: ignore[arg-type]
 
 
 def test_nccl_session_without_cuda_fails_before_forming_a_group() -> None:

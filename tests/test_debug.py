@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from asyncdist import CollectiveMismatch, DistSession, spawn
-from asyncdist._debug import Fingerprint, mismatch, pairwise
+from asyncdist._debug import Fingerprint, Verifier, mismatch, pairwise
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -66,6 +67,31 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(case: str, expected: st
         assert expected in message
 
 
+async def _async_mismatch(s: DistSession) -> tuple[str, bool, list[float]]:
+    """In async code the check runs off the loop: the call returns a handle at
+    once and awaiting it raises the mismatch; nothing was launched."""
+    h = s.allreduce(torch.ones(4 if s.rank == 0 else 8))
+    returned_pending = not h.done()
+    try:
+        await h
+    except CollectiveMismatch as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("no mismatch detected")
+    t = torch.ones(2)
+    await s.allreduce(t)
+    return message, returned_pending, t.tolist()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_mismatch_arrives_with_the_handle(backend: str) -> None:
+    results = spawn(_async_mismatch, 2, timeout=20, debug=True, async_backend=backend)
+    for message, returned_pending, after in results:
+        assert "allreduce of float32[4] on rank 0 vs float32[8] on rank 1" in message
+        assert returned_pending, "the call waited for the check instead of returning"
+        assert after == [2.0, 2.0], "the session is still in step"
+
+
 async def _two_tasks(s: DistSession) -> str:
     """Two tasks issuing on one session at once: an error, not a hang."""
     if s.rank == 1:
@@ -96,10 +122,10 @@ def test_concurrent_issuers_are_an_error_in_debug_mode() -> None:
 def test_debug_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCDIST_DEBUG", "1")
     with DistSession() as s:
-        assert s._debug
+        assert s.debug
         s.allreduce(torch.ones(1)).wait()
     monkeypatch.setenv("ASYNCDIST_DEBUG", "0")
-    assert not DistSession()._debug
+    assert not DistSession().debug
 
 
 def test_fingerprint_round_trip_and_long_lists() -> None:
@@ -112,6 +138,24 @@ def test_fingerprint_round_trip_and_long_lists() -> None:
     decoded = [Fingerprint.decode(raw), Fingerprint.decode(other.encode())]
     assert mismatch(decoded) is not None
     assert mismatch([fp, fp]) is None
+
+
+def test_verifier_numbers_calls_and_flags_a_second_issuer() -> None:
+    verifier = Verifier(rank=1)
+    first = verifier.fingerprint(
+        "allreduce", (torch.ones(2),), reduce="sum", issuer="a", busy=False
+    )
+    second = verifier.fingerprint("broadcast", (), root=0, issuer="b", busy=False)
+    third = verifier.fingerprint("barrier", issuer="a", busy=True)
+    assert (first.seq, second.seq, third.seq) == (1, 2, 3)
+    assert first.tensors == ("float32[2]",)
+    assert first.reduce == "sum"
+    assert second.root == 0
+    assert second.conflict == "", "a new issuer once the lane is idle is fine"
+    assert third.conflict == "b and a", "a new issuer while one is outstanding is not"
+    verifier.check("allreduce", [first, first])
+    with pytest.raises(CollectiveMismatch, match=r"^broadcast on rank 1: collective #1"):
+        verifier.check("broadcast", [first, replace(first, op="broadcast")])
 
 
 def test_pairwise_fingerprints_compare_pair_by_pair() -> None:

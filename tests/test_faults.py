@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from _ports import free_port
 
 from asyncdist import (
     AsyncDistError,
@@ -48,13 +49,6 @@ def _save(path: str, **data: Any) -> None:
 
 def _load(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
-
-
-def _free_port() -> int:
-    sock = bind_loopback()
-    port = int(sock.getsockname()[1])
-    sock.close()
-    return port
 
 
 # -- 1, 2: a rank dies -----------------------------------------------------------------
@@ -179,7 +173,7 @@ def test_sigterm_leaves_the_session_and_peers_see_peer_failure(tmp_path: Path) -
 
 
 def test_missing_rank_is_an_init_error_and_the_port_is_released() -> None:
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     session = DistSession(rank=0, world_size=3, master_port=port, timeout=3)
     with pytest.raises(InitError, match="could not form"):
@@ -193,7 +187,7 @@ def test_missing_rank_is_an_init_error_and_the_port_is_released() -> None:
 
 
 def test_unreachable_master_is_an_init_error_naming_it() -> None:
-    port = _free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     t0 = time.monotonic()
     session = DistSession(rank=1, world_size=2, master_port=port, timeout=3)
     with pytest.raises(InitError, match=f"127.0.0.1:{port}"):
@@ -359,7 +353,7 @@ def test_exit_without_finalize_does_not_abort(tmp_path: Path) -> None:
     script = tmp_path / "no_finalize.py"
     script.write_text(NO_FINALIZE)
     for _ in range(3):
-        port = _free_port()
+        port = free_port()
         procs = [
             subprocess.Popen(
                 [sys.executable, str(script), str(rank), str(port)],

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from _ports import free_port
 
 from asyncdist import (
     CollectiveTimeout,
@@ -83,6 +84,23 @@ def test_adopts_an_initialised_group_and_leaves_it() -> None:
         dist.destroy_process_group()
 
 
+def test_adopting_reads_the_local_rank_like_a_new_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One rule for both paths: under SLURM the local rank is SLURM_LOCALID.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with DistSession() as s:
+            assert s.local_rank == 3
+    finally:
+        dist.destroy_process_group()
+
+
 def test_exit_by_exception_releases_the_group() -> None:
     with pytest.raises(KeyError), DistSession() as s:
         s.allreduce(torch.ones(2))
@@ -146,14 +164,18 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 
 @pytest.mark.parametrize(("method", "kwargs", "error", "match"), BAD_INPUTS)
 def test_bad_input_fails_before_launch_and_session_stays_usable(
-    method: str, kwargs: dict[str, Any], error: type[Exception], match: str
+    method: str, kwargs: dict[str, Any], error: type[Exception], match: str, tmp_path: Path
 ) -> None:
-    with DistSession() as s:
+    # The session's trace records every launched collective: the refused call
+    # must leave no event, the good one after it exactly one.
+    with DistSession(trace=tmp_path / "t.json") as s:
         with pytest.raises(error, match=match):
             getattr(s, method)(**kwargs)
         assert s.state is State.OPEN
-        assert len(s._outstanding) == 0, "nothing may be launched"
         assert s.allreduce(torch.ones(2)).wait().tolist() == [1.0, 1.0]
+    doc = json.loads((tmp_path / "t.rank0.json").read_text())
+    launched = [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert launched == ["allreduce"], "nothing may be launched by a refused call"
 
 
 # -- several ranks ----------------------------------------------------------------
@@ -265,17 +287,8 @@ def test_dead_peer_raises_peer_failure(tmp_path: Path) -> None:
 def test_init_error_when_a_rank_never_joins() -> None:
     t0 = time.monotonic()
     # world of 2, only rank 0 here: the store is ours, no peer ever comes
-    session = DistSession(rank=0, world_size=2, master_port=_free_port(), timeout=2)
+    session = DistSession(rank=0, world_size=2, master_port=free_port(), timeout=2)
     with pytest.raises(InitError, match="could not form"):
         session.__enter__()
     assert time.monotonic() - t0 < 2 + 5
     assert not dist.is_initialized()
-
-
-def _free_port() -> int:
-    from asyncdist._env import bind_loopback
-
-    sock = bind_loopback()
-    port = int(sock.getsockname()[1])
-    sock.close()
-    return port

@@ -1,0 +1,519 @@
+"""The communication layer: the one module that calls ``torch.distributed`` for collectives.
+
+A :class:`Comm` is one ordered lane over one process group. It owns what
+the lane needs to run: the group and its side groups (object traffic, debug
+fingerprints), the health shared with every handle, the outstanding
+handles, the completer threads for works gloo gives no future, the
+watchdog, sub-lanes formed by :meth:`Comm.split`, and the order in which all
+of that is torn down.
+
+Collectives reach it as a :class:`Spec`: a small declarative description of
+what to issue (which call, which tensors, reduce op, root) and how to finish
+(the step that turns the completed work into the handle's result). One
+:meth:`Comm.launch` issues every spec the same way, so tracing and debug
+verification cover every op alike.
+
+Teardown order (DESIGN §4): gloo runs future callbacks on its worker thread
+while that thread still holds the work, so the last reference to a group must
+never be dropped there. :meth:`Comm.close` first stops the completer and the
+watchdog (joining their threads), forgets the outstanding handles, then
+destroys side groups, sub-groups and the group, on the closing thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _ops
+from ._debug import Fingerprint, Verifier
+from ._env import gloo_on_loopback
+from ._handle import Completer, Handle, Health, Watchdog
+from ._trace import Tracer
+from ._wakeup import current_issuer, in_async_context
+from .errors import translate
+
+logger = logging.getLogger("asyncdist")
+
+T = TypeVar("T")
+
+Call = Literal[
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
+    "broadcast_object",
+    "all_gather_object",
+]
+Ownership = Literal["world", "group", "adopted"]
+
+_POINT_TO_POINT = frozenset({"send", "recv"})
+
+
+@dataclass(slots=True, eq=False)
+class Spec(Generic[T]):
+    """One collective to issue, as data.
+
+    ``inputs``/``outputs`` are the tensors as they travel (wire views);
+    ``shown`` the tensors as the caller passed them, described in debug
+    fingerprints and counted in traces (default: ``inputs``). ``root`` is
+    the group rank of the source, destination or peer. ``finish()`` gives
+    the handle's result once the work completed; for object calls it takes
+    what was received.
+    """
+
+    op: str
+    call: Call
+    finish: Callable[..., T]
+    inputs: Sequence[torch.Tensor] = ()
+    outputs: Sequence[torch.Tensor] | None = ()
+    reduce: _ops.Reduction | None = None
+    root: int | None = None
+    payload: bytes = b""
+    shown: Sequence[torch.Tensor] | None = None
+    pairwise: bool = False
+
+
+# -- issuing: spec -> torch work (async_op=True) ----------------------------------------
+
+
+def _allreduce(group: Any, spec: Spec[Any]) -> Any:
+    assert spec.reduce is not None
+    options = dist.AllreduceOptions()
+    options.reduceOp = spec.reduce.wire_op
+    options.asyncOp = True
+    # The ProcessGroup method directly: dist.all_reduce re-does the checks the
+    # collectives made already and costs ~10 µs a call.
+    return group.allreduce([spec.inputs[0]], options)
+
+
+def _broadcast(group: Any, spec: Spec[Any]) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = _root(spec)
+    options.rootTensor = 0
+    options.asyncOp = True
+    return group.broadcast([spec.inputs[0]], options)
+
+
+def _wire_op(spec: Spec[Any]) -> Any:
+    assert spec.reduce is not None
+    return spec.reduce.wire_op
+
+
+def _outputs(spec: Spec[Any]) -> list[torch.Tensor] | None:
+    return None if spec.outputs is None else list(spec.outputs)
+
+
+def _out(spec: Spec[Any]) -> torch.Tensor:
+    assert spec.outputs is not None
+    return spec.outputs[0]
+
+
+def _root(spec: Spec[Any]) -> int:
+    assert spec.root is not None
+    return spec.root
+
+
+_ISSUE: dict[str, Callable[[Any, Spec[Any]], Any]] = {
+    "allreduce": _allreduce,
+    "broadcast": _broadcast,
+    # gloo takes the concatenated (flat) forms only
+    "all_gather": lambda g, s: dist.all_gather_single(_out(s), s.inputs[0], group=g, async_op=True),
+    "reduce_scatter": lambda g, s: dist.reduce_scatter_single(
+        _out(s), s.inputs[0], op=_wire_op(s), group=g, async_op=True
+    ),
+    "all_to_all": lambda g, s: dist.all_to_all(_outputs(s), list(s.inputs), group=g, async_op=True),
+    "reduce": lambda g, s: dist.reduce(
+        s.inputs[0], op=_wire_op(s), group=g, group_dst=s.root, async_op=True
+    ),
+    "gather": lambda g, s: dist.gather(
+        s.inputs[0], _outputs(s), group=g, group_dst=s.root, async_op=True
+    ),
+    # off the source, scatter takes no chunks: inputs is empty there
+    "scatter": lambda g, s: dist.scatter(
+        _out(s), list(s.inputs) or None, group=g, group_src=s.root, async_op=True
+    ),
+    "send": lambda g, s: dist.isend(s.inputs[0], group=g, group_dst=s.root),
+    "recv": lambda g, s: dist.irecv(_out(s), group=g, group_src=s.root),
+    "barrier": lambda g, s: dist.barrier(group=g, async_op=True),
+}
+
+
+def _futureless(spec: Spec[Any]) -> str | None:
+    """The completer key of a work gloo gives no future (DESIGN §4), or None.
+
+    Works of one key complete in issue order (one collective stream, or one
+    peer and direction), so one thread waiting on them in order delays none.
+    """
+    if spec.call == "reduce_scatter":
+        return "collectives"
+    if spec.call == "send":
+        return f"send->{spec.root}"
+    if spec.call == "recv":
+        return f"recv<-{spec.root}"
+    return None
+
+
+# -- object exchanges: two steps (size, then payload) on the side group ----------------
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a CPU uint8 tensor (no numpy needed)."""
+    tensor = tensor.contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b""
+
+
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _broadcast_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> bytes:
+    src = spec.root
+    size = torch.tensor([len(spec.payload)], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=src)
+    if rank == src:
+        buffer = _byte_tensor(spec.payload)
+    else:
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    if buffer.numel():
+        dist.broadcast(buffer, group=group, group_src=src)
+    return _tensor_bytes(buffer)
+
+
+def _all_gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> list[bytes]:
+    payload = spec.payload
+    sizes = torch.empty(world_size, dtype=torch.int64)
+    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    longest = int(sizes.max().item())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = _byte_tensor(payload)
+    everyone = torch.empty(world_size * longest, dtype=torch.uint8)
+    dist.all_gather_single(everyone, mine, group=group)
+    return [
+        _tensor_bytes(everyone[r * longest : r * longest + int(sizes[r])])
+        for r in range(world_size)
+    ]
+
+
+_EXCHANGE: dict[str, Callable[[Any, Spec[Any], int, int], Any]] = {
+    "broadcast_object": _broadcast_bytes,
+    "all_gather_object": _all_gather_bytes,
+}
+
+
+class Comm:
+    """One lane over one process group: launches specs, tracks their handles,
+    and tears everything down in the order gloo needs.
+
+    ``owns``: ``"world"`` (this lane initialised the default group and
+    destroys it, side groups included), ``"group"`` (a sub-group it destroys
+    with its side groups), ``"adopted"`` (someone else's default group: only
+    the side groups are destroyed).
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        timeout: float,
+        owns: Ownership,
+        debug: bool = False,
+        loopback: bool = False,
+        health: Health | None = None,
+        parent: Comm | None = None,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout = timeout
+        self.debug = debug
+        self.loopback = loopback
+        self.health = health if health is not None else Health(rank=rank, timeout=timeout)
+        self._owns = owns
+        self._parent = parent
+        self._children: list[Comm] = []
+        self._side: dict[str, Any] = {}
+        self._outstanding: collections.deque[Handle[Any]] = collections.deque()
+        self._verifier = Verifier(rank) if debug else None
+        self._tracer: Tracer | None = None
+        self._closed = False
+        self._completer = Completer(f"asyncdist-completer-r{rank}")
+        self._watchdog = Watchdog(self.health, self._outstanding)
+
+    # -- groups -------------------------------------------------------------------
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """The default group's ranks of this lane's members, by lane rank."""
+        if self._parent is None and self.group is dist.group.WORLD:
+            return list(range(self.world_size))
+        return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+
+    def form_side_groups(self) -> None:
+        """Form the side groups now, while waiting for peers is expected (the
+        session's entry and ``split`` run off the event loop in async code),
+        not inside the first object collective.
+
+        Raises:
+            RuntimeError, OSError: a peer did not join in time.
+        """
+        ranks = self.global_ranks
+        kinds = ("objects", "debug") if self.debug else ("objects",)
+        with gloo_on_loopback(self.loopback):
+            for kind in kinds:
+                self._side[kind] = dist.new_group(
+                    ranks,
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                    backend="gloo",
+                    use_local_synchronization=True,
+                )
+
+    def split(self, group_size: int) -> Comm:
+        """A lane over this rank's block of ``group_size`` consecutive ranks,
+        sharing this lane's health (a fault anywhere breaks the whole job).
+
+        Every rank forms every block's group, as torch requires. The caller
+        checked ``group_size``.
+
+        Raises:
+            CollectiveError: a peer did not join in time (the session breaks).
+        """
+        ranks, mine = self.global_ranks, self.rank // group_size
+        own: Any = None
+        try:
+            with gloo_on_loopback(self.loopback and self.backend == "gloo"):
+                for block in range(self.world_size // group_size):
+                    group = dist.new_group(
+                        ranks[block * group_size : (block + 1) * group_size],
+                        timeout=datetime.timedelta(seconds=self.timeout),
+                    )
+                    if block == mine:
+                        own = group
+        except RuntimeError as exc:
+            raise self.health.fail(exc, op="split") from exc
+        child = Comm(
+            own,
+            rank=self.rank % group_size,
+            world_size=group_size,
+            backend=self.backend,
+            device=self.device,
+            timeout=self.timeout,
+            owns="group",
+            debug=self.debug,
+            loopback=self.loopback,
+            health=self.health,
+            parent=self,
+        )
+        self._children.append(child)
+        try:
+            child.form_side_groups()
+        except RuntimeError as exc:
+            child.close()
+            raise self.health.fail(exc, op="split") from exc
+        return child
+
+    # -- tracing -------------------------------------------------------------------
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer recording this lane's collectives (shared by sub-lanes)."""
+        return self._parent.tracer if self._parent is not None else self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer | None) -> None:
+        if self._parent is not None:
+            self._parent.tracer = tracer
+        else:
+            self._tracer = tracer
+
+    # -- launching -----------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether a collective of this lane is still outstanding."""
+        return any(not handle.done() for handle in self._outstanding)
+
+    def launch(self, spec: Spec[T]) -> Handle[T]:
+        """Issue ``spec`` now (in debug mode: once every rank agreed on it) and
+        return its handle.
+
+        Raises:
+            CollectiveError: torch refused the call before anything was sent.
+            CollectiveMismatch: (debug mode, sync callers) ranks disagree.
+        """
+        outstanding = self._outstanding
+        while outstanding and outstanding[0].done():
+            outstanding.popleft()
+        received: list[Any] | None = None
+        finish: Callable[[], Any] = spec.finish
+        if spec.call in _EXCHANGE:
+            received = []
+            box = received
+
+            def finish() -> Any:
+                return spec.finish(box[0])
+
+        handle: Handle[T] = Handle._create(spec.op, self.health, finish)
+        if self._verifier is None:
+            self._issue(handle, spec, received)
+        else:
+            self._issue_verified(handle, spec, received)
+        outstanding.append(handle)
+        tracer = self.tracer
+        if tracer is not None:
+            shown = spec.inputs if spec.shown is None else spec.shown
+            tracer.record(handle, _ops.nbytes(shown) + len(spec.payload))
+        return handle
+
+    def _issue(
+        self,
+        handle: Handle[Any],
+        spec: Spec[Any],
+        received: list[Any] | None,
+        *,
+        deferred: bool = False,
+    ) -> None:
+        if received is not None:
+            # Two steps on the side group, in program order on one thread:
+            # issued from a callback, the second step would race with what
+            # the program issues meanwhile (DESIGN §4).
+            exchange, group = _EXCHANGE[spec.call], self._side["objects"]
+            world, rank = self.world_size, self.rank
+
+            def run() -> None:
+                received.append(exchange(group, spec, world, rank))
+
+            self._completer.submit("objects", lambda: handle._settle(run))
+            return
+        try:
+            work = _ISSUE[spec.call](self.group, spec)
+        except (RuntimeError, ValueError) as exc:
+            # refused by torch before anything reached the wire
+            raise translate(exc, op=spec.op, rank=self.rank, timeout=self.timeout) from exc
+        key = _futureless(spec) if self.backend == "gloo" else None
+        if key is not None:
+            self._completer.submit(key, lambda: handle._settle(work.wait))
+        else:
+            handle._attach(work, streamed=self.backend == "nccl", hook=deferred)
+
+    def _issue_verified(
+        self, handle: Handle[Any], spec: Spec[Any], received: list[Any] | None
+    ) -> None:
+        """Debug mode: agree with every rank on the call, then issue it.
+
+        The exchange waits for peers, so it runs on the lane's debug thread,
+        in program order, never on an event loop: async callers get the
+        handle at once (a mismatch arrives with it); sync callers wait for
+        the agreement and get the mismatch raised at the call.
+        """
+        assert self._verifier is not None
+        fingerprint = None
+        if spec.call not in _POINT_TO_POINT:  # two ranks only: nothing to compare
+            fingerprint = self._verifier.fingerprint(
+                spec.op,
+                spec.inputs if spec.shown is None else spec.shown,
+                reduce="" if spec.reduce is None else spec.reduce.name,
+                root=spec.root,
+                pairwise=spec.pairwise,
+                issuer=current_issuer(),
+                busy=self.busy(),
+            )
+        refused: list[BaseException] = []
+        agreed = threading.Event()
+
+        def agree_then_issue() -> None:
+            try:
+                if fingerprint is not None:
+                    self._agree(spec.op, fingerprint)
+                self._issue(handle, spec, received, deferred=True)
+            except BaseException as exc:  # noqa: BLE001 - it reaches the caller or the handle
+                refused.append(exc)
+                handle._fail(exc)
+            finally:
+                agreed.set()
+
+        self._completer.submit("debug", agree_then_issue)
+        if not in_async_context():
+            agreed.wait()
+            if refused:
+                handle._observed = True
+                raise refused[0]
+
+    def _agree(self, op: str, fingerprint: Fingerprint) -> None:
+        assert self._verifier is not None
+        raw = torch.frombuffer(bytearray(fingerprint.encode()), dtype=torch.uint8)
+        size = raw.numel()
+        everyone = torch.empty(self.world_size * size, dtype=torch.uint8)
+        try:
+            dist.all_gather_single(everyone, raw, group=self._side["debug"])
+        except RuntimeError as exc:
+            raise self.health.fail(exc, op=op) from exc
+        prints = [
+            Fingerprint.decode(_tensor_bytes(everyone[r * size : (r + 1) * size]))
+            for r in range(self.world_size)
+        ]
+        self._verifier.check(op, prints)
+
+    # -- leaving -------------------------------------------------------------------
+
+    def drain(self) -> list[Handle[Any]]:
+        """The handles still outstanding here and in sub-lanes, in issue order
+        (none once broken: outstanding work failed already or is lost; the
+        backend timeout bounds it, and destroying the group waits for it)."""
+        if self.health.fault is not None:
+            return []
+        handles = list(self._outstanding)
+        for child in self._children:
+            handles += child.drain()
+        return handles
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release everything, in the order that keeps gloo from aborting
+        (see the module docstring). Closing twice is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        for child in list(self._children):
+            child.close()
+        self._completer.close(timeout=self.timeout)
+        self._watchdog.close()
+        self._outstanding.clear()
+        side, self._side = list(self._side.values()), {}
+        groups = [] if self._owns == "world" else side  # the world takes its groups along
+        if self._owns == "world":
+            groups.append(None)
+        elif self._owns == "group":
+            groups.append(self.group)
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError, KeyError) as exc:  # already gone
+                logger.debug("destroy_process_group: %s", exc)
+        if self._parent is not None and self in self._parent._children:
+            self._parent._children.remove(self)
+        self.group = None
