@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from asyncdist import DistSession, Handle, spawn, wait_all
+from asyncdist import DistSession, Handle, PeerFailure, spawn, wait_all
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,3 +200,28 @@ async def _first_object_collective(session: DistSession) -> int:
 def test_the_first_object_collective_does_not_block_the_loop(backend: str) -> None:
     ticks, _ = spawn(_first_object_collective, 2, timeout=20, async_backend=backend)
     assert ticks >= 20, "the loop was blocked while the peer was late"
+
+
+def _repr_of_a_failed_handle(session: DistSession) -> tuple[str, str] | None:
+    """Printing a failed handle must not count as seeing its error: leaving the
+    session still raises the fault nobody waited on."""
+    if session.rank == 1:
+        raise SystemExit(0)  # leaves its session: rank 0's allreduce fails
+    h = session.allreduce(torch.ones(4))
+    deadline = time.monotonic() + 20
+    while not h.done():
+        assert time.monotonic() < deadline, "the peer's departure was never noticed"
+        time.sleep(0.01)
+    shown = repr(h)
+    try:
+        session.close()
+    except PeerFailure as exc:
+        return shown, type(exc).__name__
+    return shown, "nothing raised at exit"
+
+
+def test_repr_is_pure() -> None:
+    result, _ = spawn(_repr_of_a_failed_handle, 2, timeout=10, join_timeout=40)
+    assert result == ("<Handle allreduce failed: PeerFailure>", "PeerFailure"), (
+        "repr marked the error as seen"
+    )
