@@ -419,6 +419,15 @@ class DistSession(Collectives):
         else:
             self._state = State.CLOSED
 
+    async def aclose(self) -> None:
+        """[close][asyncdist.DistSession.close] for async code (as ``async with``
+        does on exit): outstanding handles are awaited on the loop, the group is
+        torn down on a worker thread."""
+        if self._state is State.OPEN:
+            await self.__aexit__(None, None, None)
+        else:
+            self._state = State.CLOSED
+
     def _lane(self, op: str) -> Comm:
         comm = self._comm
         if self._state is not State.OPEN or comm is None:

@@ -119,6 +119,19 @@ async def test_async_exit_by_cancellation_releases_the_group() -> None:
     assert not dist.is_initialized()
 
 
+@pytest.mark.anyio
+async def test_aclose_drains_and_releases_the_group() -> None:
+    s = await DistSession().__aenter__()
+    t = torch.full((2,), 3.0)
+    h = s.allreduce(t, op="mean")
+    await s.aclose()
+    assert s.closed
+    assert not dist.is_initialized()
+    assert h.done()
+    assert t.tolist() == [3.0, 3.0]
+    await s.aclose()  # closing twice is fine
+
+
 def test_closed_session_refuses_collectives() -> None:
     s = DistSession()
     with pytest.raises(SessionClosed, match="unopened"):
