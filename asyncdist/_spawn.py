@@ -12,10 +12,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -89,11 +92,62 @@ def _child(
             message = ("error", error, traceback.format_exc())
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
         message = ("error", exc, traceback.format_exc())
-    try:
-        conn.send(message)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception
-        conn.send(("error", AsyncDistError(f"rank {rank}: {exc}"), traceback.format_exc()))
+    data = _dump_message(message, rank)
+    # A parent that is gone cannot be told; it reports this rank itself.
+    with contextlib.suppress(BrokenPipeError):
+        conn.send_bytes(data)
     conn.close()
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickle ``obj`` by value, tensors included, with plain :mod:`pickle`.
+
+    ``Connection.send`` uses multiprocessing's ``ForkingPickler``, where torch
+    registers reductions that share a tensor's memory through a file
+    descriptor the *sender* must keep serving; a rank has exited by the time
+    the parent reads its result, so those cannot be used here.  A tensor that
+    views a small part of a bigger storage is compacted first, so only its
+    own elements travel.
+    """
+    buffer = io.BytesIO()
+    _ValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+class _ValuePickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is None or type(obj) is not torch.Tensor:
+            return NotImplemented
+        if obj.layout != torch.strided or obj.is_quantized or obj.is_meta:
+            return NotImplemented
+        needed = obj.numel() * obj.element_size()
+        if obj.untyped_storage().nbytes() <= needed:
+            return NotImplemented
+        compact = obj.detach().clone(memory_format=torch.contiguous_format)
+        compact.requires_grad_(obj.requires_grad)
+        return compact.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _dump_message(message: tuple[Any, ...], rank: int) -> bytes:
+    """The rank's message as bytes; if it cannot be pickled, an error saying so."""
+    try:
+        return _dumps(message)
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises
+        problem = f"{type(exc).__name__}: {exc}"
+        pickling_traceback = traceback.format_exc()
+    if message[0] == "ok":
+        what = f"rank {rank} returned a {type(message[1]).__name__} that cannot be pickled"
+        details = pickling_traceback
+        hint = "spawn sends results to the parent by pickle; return picklable values"
+    else:
+        original = message[1]
+        what = f"rank {rank} raised {type(original).__name__}: {original}"
+        what += ", and the exception cannot be pickled"
+        details = message[2]
+        hint = "make the exception picklable to get it back as itself"
+    error = AsyncDistError(f"{what} ({problem}); {hint}")
+    return _dumps(("error", error, details))
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -127,6 +181,8 @@ def spawn(
     by default). ``fn`` may be ``async def``; it then runs under
     ``async_backend`` (``"asyncio"`` or ``"trio"``). ``fn``, ``args`` and the
     results must be picklable; ``fn`` must be importable (module level).
+    Results come back by value, tensors included (a view of a bigger tensor
+    brings only its own elements).
 
     Args:
         timeout: the sessions' timeout (seconds).
@@ -139,6 +195,8 @@ def spawn(
         Exception: the first failing rank's own exception, with a note naming
             the rank and its traceback.
         PeerFailure: a rank died without reporting.
+        AsyncDistError: a rank's result or exception could not be pickled
+            (or unpickled here); the message names the rank.
         TimeoutError: ``join_timeout`` passed.
 
     No child outlives the call.
@@ -189,6 +247,19 @@ def _is_consequence(error: BaseException) -> bool:
     return isinstance(error, (CollectiveError, SessionBroken)) and not own_death
 
 
+def _load_message(data: bytes, rank: int) -> tuple[Any, ...]:
+    try:
+        message = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises
+        error = AsyncDistError(
+            f"rank {rank}'s message could not be unpickled in the parent "
+            f"({type(exc).__name__}: {exc}); check that its result or exception "
+            "can be rebuilt from its pickle"
+        )
+        return ("error", error, traceback.format_exc())
+    return tuple(message)
+
+
 def _collect(
     procs: Sequence[multiprocessing.process.BaseProcess],
     conns: dict[int, multiprocessing.connection.Connection],
@@ -222,13 +293,15 @@ def _collect(
             sentinel_ready = procs[rank].sentinel in ready
             if conn not in ready and not sentinel_ready:
                 continue
-            message = None
+            data = None
             if conn.poll():
-                with contextlib.suppress(EOFError):
-                    message = conn.recv()
+                # EOFError: nothing was sent; OSError: the rank died mid-message.
+                with contextlib.suppress(EOFError, OSError):
+                    data = conn.recv_bytes()
             elif not sentinel_ready:
                 continue
             del pending[rank]
+            message = None if data is None else _load_message(data, rank)
             if message is None:
                 procs[rank].join()
                 error: BaseException = PeerFailure(

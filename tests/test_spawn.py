@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Any
 
 import psutil
 import pytest
 import torch
 
-from asyncdist import DistSession, PeerFailure, spawn
+from asyncdist import AsyncDistError, DistSession, PeerFailure, spawn
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,3 +93,107 @@ def test_spawned_ranks_listen_on_loopback_only() -> None:
 def test_bad_world_size(world_size: object) -> None:
     with pytest.raises(ValueError, match="world_size"):
         spawn(_whoami, world_size)  # type: ignore[arg-type]
+
+
+# -- results come back by value, whatever they are -------------------------------------
+
+
+def _tensor(session: DistSession) -> torch.Tensor:
+    return torch.arange(4, dtype=torch.float32) + 10 * session.rank
+
+
+def test_tensor_result() -> None:
+    results = spawn(_tensor, 2)
+    for rank, result in enumerate(results):
+        assert isinstance(result, torch.Tensor)
+        assert result.dtype == torch.float32
+        assert torch.equal(result, torch.arange(4, dtype=torch.float32) + 10 * rank)
+
+
+def _tensors(session: DistSession) -> list[torch.Tensor]:
+    t = torch.full((3,), float(session.rank))
+    return [t, torch.tensor([session.rank], dtype=torch.int64), torch.zeros(0)]
+
+
+def test_list_of_tensors_result() -> None:
+    for rank, (full, mine, empty) in enumerate(spawn(_tensors, 2)):
+        assert torch.equal(full, torch.full((3,), float(rank)))
+        assert torch.equal(mine, torch.tensor([rank], dtype=torch.int64))
+        assert empty.shape == (0,)
+
+
+def _nested_with_views(session: DistSession) -> dict[str, Any]:
+    big = torch.arange(1 << 20, dtype=torch.float64).reshape(1024, 1024)  # 8 MiB
+    return {
+        "views": [big[3, 5:9], big[:2, :3].t()],
+        "pair": (session.rank, big[1000:1002, 1000:1002]),
+    }
+
+
+def test_nested_container_with_views_sends_only_the_viewed_values() -> None:
+    big = torch.arange(1 << 20, dtype=torch.float64).reshape(1024, 1024)
+    for rank, result in enumerate(spawn(_nested_with_views, 2)):
+        assert set(result) == {"views", "pair"}
+        row, corner_t = result["views"]
+        assert row.dtype == torch.float64
+        assert torch.equal(row, big[3, 5:9])
+        assert corner_t.shape == (3, 2)
+        assert torch.equal(corner_t, big[:2, :3].t())
+        assert isinstance(result["pair"], tuple)
+        assert result["pair"][0] == rank
+        assert torch.equal(result["pair"][1], big[1000:1002, 1000:1002])
+        for t in (row, corner_t, result["pair"][1]):
+            # the 8 MiB storage behind each view did not travel
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _bfloat16(session: DistSession) -> torch.Tensor:
+    return torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16) * (session.rank + 1)
+
+
+def test_bfloat16_result() -> None:
+    for rank, result in enumerate(spawn(_bfloat16, 2)):
+        assert result.dtype == torch.bfloat16
+        expected = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16) * (rank + 1)
+        assert torch.equal(result, expected)
+
+
+def _unpicklable_on_rank_1(session: DistSession) -> object:
+    return threading.Lock() if session.rank == 1 else "fine"
+
+
+def test_unpicklable_result_is_a_clear_error_naming_the_rank() -> None:
+    with pytest.raises(AsyncDistError, match="rank 1 returned a lock that cannot be pickled"):
+        spawn(_unpicklable_on_rank_1, 2)
+
+
+class _LockedError(Exception):
+    def __init__(self) -> None:
+        super().__init__("carries a lock")
+        self.lock = threading.Lock()
+
+
+def _raises_unpicklable(session: DistSession) -> None:
+    if session.rank == 1:
+        raise _LockedError
+
+
+def test_unpicklable_exception_is_a_clear_error_naming_the_rank() -> None:
+    with pytest.raises(AsyncDistError, match="rank 1 raised _LockedError: carries a lock") as info:
+        spawn(_raises_unpicklable, 2)
+    assert "_raises_unpicklable" in "\n".join(info.value.__notes__)
+
+
+class _TwoArgError(Exception):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}+{b}")  # pickles, but cannot be rebuilt from its args
+
+
+def _raises_unrebuildable(session: DistSession) -> None:
+    if session.rank == 0:
+        raise _TwoArgError(1, 2)
+
+
+def test_exception_that_cannot_be_unpickled_is_a_clear_error_naming_the_rank() -> None:
+    with pytest.raises(AsyncDistError, match="rank 0's message could not be unpickled"):
+        spawn(_raises_unrebuildable, 2)
