@@ -25,12 +25,14 @@ import ddp  # noqa: E402
 import debug_cost  # noqa: E402
 import fusion  # noqa: E402
 import latency  # noqa: E402
+import loop_stall  # noqa: E402
 import overlap  # noqa: E402
 
 SUITE = {
     "latency": (latency.main, ["--reps", "300"], ["--reps", "60", "--max-mib", "16"]),
     "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5"]),
     "debug_cost": (debug_cost.main, ["--rounds", "7"], ["--rounds", "3"]),
+    "loop_stall": (loop_stall.main, ["--rounds", "3"], ["--rounds", "1"]),
     "overlap": (
         lambda a: _shaped(overlap, "overlap", {"mib": 4, "reps": 15}, a),
         ["--reps", "15"],
