@@ -85,6 +85,42 @@ def test_session_surface() -> None:
     ]
 
 
+COLLECTIVES = (
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
+    "broadcast_object",
+    "all_gather_object",
+    "allreduce_coalesced",
+)
+
+
+def test_every_collective_is_a_plain_method_and_every_wait_has_an_async_form() -> None:
+    session = asyncdist.DistSession
+    for name in COLLECTIVES:
+        method = getattr(session, name)
+        assert not inspect.iscoroutinefunction(method), f"{name} must launch on the call"
+        assert inspect.signature(method).return_annotation.startswith("Handle["), name
+    for sync, async_form in (
+        (session.split, session.split_async),
+        (session.close, session.aclose),
+        (
+            asyncdist.GradientSync.broadcast_parameters,
+            asyncdist.GradientSync.broadcast_parameters_async,
+        ),
+    ):
+        assert not inspect.iscoroutinefunction(sync)
+        assert inspect.iscoroutinefunction(async_form), async_form.__name__
+
+
 def test_version_is_a_string() -> None:
     assert isinstance(asyncdist.__version__, str)
     assert asyncdist.__version__.count(".") >= 2
