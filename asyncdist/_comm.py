@@ -39,8 +39,8 @@ from ._debug import Fingerprint, Verifier
 from ._env import gloo_on_loopback
 from ._handle import Completer, Handle, Health, Watchdog
 from ._trace import Tracer
-from ._wakeup import current_issuer, in_async_context
-from .errors import translate
+from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
+from .errors import CollectiveMismatch, translate
 
 logger = logging.getLogger("asyncdist")
 
@@ -241,8 +241,10 @@ class Comm:
         loopback: bool = False,
         health: Health | None = None,
         parent: Comm | None = None,
+        label: str = "the session",
     ) -> None:
         self.group = group
+        self.label = label
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -259,6 +261,8 @@ class Comm:
         self._verifier = Verifier(rank) if debug else None
         self._tracer: Tracer | None = None
         self._closed = False
+        self._issuer: IssuerKey | None = None  # who issued last
+        self._issuer_name = ""
         self._completer = Completer(f"asyncdist-completer-r{rank}")
         self._watchdog = Watchdog(self.health, self._outstanding)
 
@@ -313,10 +317,36 @@ class Comm:
                         own = group
         except RuntimeError as exc:
             raise self.health.fail(exc, op="split") from exc
+        first = ranks[mine * group_size]
+        label = f"the sub-session of ranks {first}..{first + group_size - 1}"
+        return self._child(own, self.rank % group_size, group_size, "split", label)
+
+    def channel(self, name: str) -> Comm:
+        """A lane over the same ranks with groups of its own (its collectives
+        never pair with this lane's), sharing this lane's health.
+
+        Only this lane's members take part (a sub-session's channel is formed
+        by its block alone).
+
+        Raises:
+            CollectiveError: a peer did not join in time (the session breaks).
+        """
+        try:
+            with gloo_on_loopback(self.loopback and self.backend == "gloo"):
+                group = dist.new_group(
+                    self.global_ranks,
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                    use_local_synchronization=True,
+                )
+        except RuntimeError as exc:
+            raise self.health.fail(exc, op="channel") from exc
+        return self._child(group, self.rank, self.world_size, "channel", f"channel {name!r}")
+
+    def _child(self, group: Any, rank: int, world_size: int, op: str, label: str) -> Comm:
         child = Comm(
-            own,
-            rank=self.rank % group_size,
-            world_size=group_size,
+            group,
+            rank=rank,
+            world_size=world_size,
             backend=self.backend,
             device=self.device,
             timeout=self.timeout,
@@ -325,13 +355,14 @@ class Comm:
             loopback=self.loopback,
             health=self.health,
             parent=self,
+            label=label,
         )
         self._children.append(child)
         try:
             child.form_side_groups()
         except RuntimeError as exc:
             child.close()
-            raise self.health.fail(exc, op="split") from exc
+            raise self.health.fail(exc, op=op) from exc
         return child
 
     # -- tracing -------------------------------------------------------------------
@@ -365,6 +396,9 @@ class Comm:
         outstanding = self._outstanding
         while outstanding and outstanding[0].done():
             outstanding.popleft()
+        issuer = issuer_key()
+        if issuer != self._issuer:
+            self._switch_issuer(issuer, spec.op)
         received: list[Any] | None = None
         finish: Callable[[], Any] = spec.finish
         if spec.call in _EXCHANGE:
@@ -385,6 +419,25 @@ class Comm:
             shown = spec.inputs if spec.shown is None else spec.shown
             tracer.record(handle, _ops.nbytes(shown) + len(spec.payload))
         return handle
+
+    def _switch_issuer(self, issuer: IssuerKey, op: str) -> None:
+        """Another task or thread issues on this lane: fine once the lane is
+        idle, or when the two cannot run at once; while a collective of the
+        last issuer is outstanding, two concurrent issuers interleave in an
+        order that can differ between ranks, so refuse (at no communication
+        cost: this rank alone decides)."""
+        name = current_issuer()
+        last = self._issuer
+        if last is not None and not one_after_another(last, issuer) and self.busy():
+            raise CollectiveMismatch(
+                f"{op} on rank {self.rank}: two tasks at once issue on {self.label} "
+                f"({self._issuer_name} still has a collective outstanding, and {name} "
+                "issues another). Collectives pair up across ranks by issue order, which "
+                "two tasks cannot keep alike on every rank. Give each task its own lane: "
+                "ch = session.channel('name') (formed by every rank), or await the first "
+                "task's collectives before the second issues. Nothing was launched."
+            )
+        self._issuer, self._issuer_name = issuer, name
 
     def _issue(
         self,
@@ -436,8 +489,6 @@ class Comm:
                 reduce="" if spec.reduce is None else spec.reduce.name,
                 root=spec.root,
                 pairwise=spec.pairwise,
-                issuer=current_issuer(),
-                busy=self.busy(),
             )
         refused: list[BaseException] = []
         agreed = threading.Event()

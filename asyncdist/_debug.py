@@ -41,7 +41,6 @@ class Fingerprint:
     tensors: Sequence[str] = ()
     reduce: str = ""
     root: int | None = None
-    conflict: str = ""  # set when this rank saw two tasks issue concurrently
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
@@ -51,9 +50,7 @@ class Fingerprint:
             digest = (
                 f"{len(self.tensors)} tensors, hash {hash(tuple(self.tensors)) & 0xFFFFFFFF:08x}"
             )
-            short = Fingerprint(
-                self.seq, self.op, (digest,), self.reduce, self.root, self.conflict, self.extra
-            )
+            short = Fingerprint(self.seq, self.op, (digest,), self.reduce, self.root, self.extra)
             data = json.dumps(asdict(short), separators=(",", ":")).encode()[
                 : FINGERPRINT_BYTES - 4
             ]
@@ -103,13 +100,6 @@ def _pairwise_mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
 
 def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
     """A message naming both sides of the first disagreement, or ``None``."""
-    for rank, fp in enumerate(fingerprints):
-        if fp.conflict:
-            return (
-                f"rank {rank} issued collectives on one session from two tasks at once "
-                f"({fp.conflict}); the order they interleave in differs between ranks. "
-                "Issue from one task, or give each task its own group with split()."
-            )
     if all(pairwise(fp) for fp in fingerprints):
         problem = mismatch([replace(fp, tensors=(), extra={}) for fp in fingerprints])
         return problem or _pairwise_mismatch(fingerprints)
@@ -142,18 +132,16 @@ def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
 
 class Verifier:
     """Debug mode's bookkeeping for one lane: the sequence number of each
-    collective and who issued the last one.
-
-    :meth:`fingerprint` runs on the issuing thread, at the call, so it sees
-    the issuing task; :meth:`check` runs once every rank's fingerprint is in.
+    collective. :meth:`fingerprint` runs at the call, in program order;
+    :meth:`check` once every rank's fingerprint is in. (Two tasks issuing on
+    one lane at once are refused before this, in every mode.)
     """
 
-    __slots__ = ("_last_issuer", "_seq", "rank")
+    __slots__ = ("_seq", "rank")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._seq = 0
-        self._last_issuer = ""
 
     def fingerprint(
         self,
@@ -163,17 +151,8 @@ class Verifier:
         reduce: str = "",
         root: int | None = None,
         pairwise: bool = False,
-        issuer: str,
-        busy: bool,
     ) -> Fingerprint:
-        """Number this call and describe it. ``busy``: a collective of this
-        lane is still outstanding, so a different ``issuer`` than the last
-        one means two tasks issue at once (their interleaving differs between
-        ranks)."""
-        conflict = ""
-        if busy and self._last_issuer and issuer != self._last_issuer:
-            conflict = f"{self._last_issuer} and {issuer}"
-        self._last_issuer = issuer
+        """Number this call and describe it."""
         self._seq += 1
         return Fingerprint(
             self._seq,
@@ -181,7 +160,6 @@ class Verifier:
             tuple(describe(t) for t in tensors),
             reduce,
             root,
-            conflict,
             {"pairwise": True} if pairwise else {},
         )
 

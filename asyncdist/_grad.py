@@ -26,6 +26,7 @@ import torch
 
 from . import _ops
 from ._handle import Handle, combined, wait_all
+from ._wakeup import issuing_as
 
 MB = 1 << 20
 
@@ -110,6 +111,7 @@ class GradientSync:
         if name not in ("mean", "sum"):
             raise ValueError(f"gradient_sync: op must be 'mean' or 'sum', not {op!r}")
         self._lane = session
+        self._issuer = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
         self._module = module
         self._op = name
         self._cap = int(bucket_mb * MB)
@@ -193,7 +195,10 @@ class GradientSync:
                 for slot, param in enumerate(bucket.params):
                     if param.grad is None:
                         bucket.slot(slot).zero_()
-            bucket.handle = self._lane.allreduce(bucket.buffer, op=self._op)
+            # hooks run on autograd's threads (CUDA) or the caller's: every
+            # launch of this object counts as its own, whichever thread runs it
+            with issuing_as(self, self._issuer):
+                bucket.handle = self._lane.allreduce(bucket.buffer, op=self._op)
             self._next_launch += 1
 
     # -- finishing a step ---------------------------------------------------------------
@@ -227,7 +232,8 @@ class GradientSync:
         order = list(dict.fromkeys(arrivals)) + [
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
-        return self._lane.broadcast_object(order, src=0, allowed=[])
+        with issuing_as(self, self._issuer):
+            return self._lane.broadcast_object(order, src=0, allowed=[])
 
     def wait(self) -> None:
         """Block until every bucket is reduced and gradients are written back."""
@@ -270,7 +276,8 @@ class GradientSync:
         tensors += [b.data for b in self._module.buffers()]
         groups = list(_ops.by_dtype(tensors).values())
         flats = [_ops.pack(group, self._lane.device) for group in groups]
-        parts = [self._lane.broadcast(flat, src=src) for flat in flats]
+        with issuing_as(self, self._issuer):
+            parts = [self._lane.broadcast(flat, src=src) for flat in flats]
 
         def copy_back(received: list[torch.Tensor]) -> None:
             for flat, group in zip(received, groups, strict=True):

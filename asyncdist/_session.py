@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops
+from ._channel import Channel
 from ._collectives import Collectives
 from ._comm import Comm
 from ._env import (
@@ -73,6 +74,16 @@ def _seconds(timeout: float | datetime.timedelta | None) -> float:
     return seconds
 
 
+GRADIENTS = "gradients"  # the channel gradient_sync uses by default
+
+
+def _check_channel_name(name: Any) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"channel: name must be a string, not {type(name).__name__}")
+    if not name:
+        raise ValueError("channel: name must not be empty")
+
+
 class DistSession(Collectives):
     """A process group's whole life, and the collectives on it.
 
@@ -102,6 +113,9 @@ class DistSession(Collectives):
             Chrome trace per rank when the session ends (``True``:
             ``asyncdist-trace.rank<r>.json``; a path ``p``: ``p`` with
             ``.rank<r>`` before its suffix). See also [trace][asyncdist.DistSession.trace].
+        channels: names of [channels][asyncdist.DistSession.channel] to form on
+            entry (off the event loop with ``async with``), so that
+            ``s.channel(name)`` never waits later.
     """
 
     def __init__(
@@ -117,7 +131,11 @@ class DistSession(Collectives):
         device: str | torch.device | int | None = None,
         debug: bool = False,
         trace: bool | str | os.PathLike[str] = False,
+        channels: Iterable[str] = (),
     ) -> None:
+        self._requested_channels = tuple(channels)
+        for name in self._requested_channels:
+            _check_channel_name(name)
         self._requested_backend = backend
         self._init_method = init_method
         self._requested_rank, self._requested_world = rank, world_size
@@ -134,6 +152,7 @@ class DistSession(Collectives):
         self._owned_store: dist.Store | None = None
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
+        self._channels: dict[str, Channel] = {}
 
     @classmethod
     def _over(cls, parent: DistSession, comm: Comm) -> DistSession:
@@ -267,12 +286,14 @@ class DistSession(Collectives):
         self._state = State.OPEN
         try:
             comm.form_side_groups()
+            for name in self._requested_channels:
+                self.channel(name)
         except (RuntimeError, OSError) as exc:
             self._teardown()
             raise InitError(
                 f"rank {comm.rank} of {comm.world_size}: the group formed, but its side "
-                f"group did not within {self._timeout:g} s ({exc}). Check that every rank "
-                "is still running."
+                f"groups or channels did not within {self._timeout:g} s ({exc}). Check that "
+                "every rank is still running and declares the same channels."
             ) from exc
 
     def _adopt(self) -> Comm:
@@ -400,6 +421,7 @@ class DistSession(Collectives):
         for child in list(self._children):
             child._teardown()
         self._state = State.CLOSED
+        self._channels.clear()
         comm = self._comm
         if comm is None:
             return
@@ -488,6 +510,41 @@ class DistSession(Collectives):
         self._split_lane(group_size)
         return await anyio.to_thread.run_sync(self.split, group_size)
 
+    def channel(self, name: str) -> Channel:
+        """The channel ``name``: an independent, ordered lane over this
+        session's ranks, with the whole collective surface.
+
+        Collectives on different lanes (the session itself, each channel)
+        never pair with each other, so tasks that issue concurrently each
+        take their own. The first call with a name forms the channel's
+        groups: every rank of the session must make it, in the same program
+        order (it waits for them; in async code use
+        [channel_async][asyncdist.DistSession.channel_async], or declare it with
+        ``DistSession(channels=[...])``). Later calls return the same channel
+        at once. The channel shares the session's health and closes with it.
+
+        Raises:
+            TypeError, ValueError: ``name`` is not a non-empty string.
+            SessionClosed, SessionBroken: the session is not usable.
+            CollectiveError: a peer did not join in time.
+        """
+        _check_channel_name(name)
+        comm = self._lane("channel")
+        channel = self._channels.get(name)
+        if channel is None:
+            channel = self._channels[name] = Channel(self, name, comm.channel(name))
+        return channel
+
+    async def channel_async(self, name: str) -> Channel:
+        """[channel][asyncdist.DistSession.channel] for async code: a new
+        channel's groups form on a worker thread while the loop goes on."""
+        _check_channel_name(name)
+        self._lane("channel")
+        channel = self._channels.get(name)
+        if channel is not None:
+            return channel
+        return await anyio.to_thread.run_sync(self.channel, name)
+
     # -- training ---------------------------------------------------------------------
 
     def gradient_sync(
@@ -497,6 +554,7 @@ class DistSession(Collectives):
         op: _ops.ReduceOpLike = "mean",
         *,
         first_bucket_mb: float = 1.0,
+        channel: Channel | DistSession | None = None,
     ) -> GradientSync:
         """Average ``module``'s gradients across ranks, overlapped with backward.
 
@@ -505,12 +563,20 @@ class DistSession(Collectives):
         loops" guide. ``op``: ``"mean"`` (average) or ``"sum"``, or
         ``ReduceOp.AVG``/``SUM``.
 
+        The buckets travel on ``channel``, by default the session's channel
+        named ``"gradients"``, so collectives other tasks issue on the session
+        (metrics, say) neither pair with a bucket nor queue behind one. Its
+        first use forms it (every rank, same order): in async code declare it
+        at entry with ``DistSession(channels=["gradients"])`` so nothing waits
+        on the loop.
+
         Raises:
             TypeError, ValueError: not a module, or a bad bucket size or op.
         """
         self._lane("gradient_sync")
+        lane = self.channel(GRADIENTS) if channel is None else channel
         return GradientSync(
-            self, module, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, op=op
+            lane, module, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, op=op
         )
 
     # -- tracing ------------------------------------------------------------------------

@@ -172,6 +172,7 @@ def spawn(
     timeout: float | None = 60.0,
     device: str | None = None,
     debug: bool = False,
+    channels: Sequence[str] = (),
     async_backend: str = "asyncio",
     join_timeout: float | None = None,
 ) -> list[Any]:
@@ -185,7 +186,8 @@ def spawn(
     brings only its own elements).
 
     Args:
-        timeout: the sessions' timeout (seconds).
+        backend, timeout, device, debug, channels: passed to each rank's
+            ``DistSession`` (``timeout`` in seconds).
         join_timeout: wall-clock bound for the whole run; ``None``: none.
 
     Returns:
@@ -205,7 +207,13 @@ def spawn(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    options = {"backend": backend, "timeout": timeout, "device": device, "debug": debug}
+    options = {
+        "backend": backend,
+        "timeout": timeout,
+        "device": device,
+        "debug": debug,
+        "channels": tuple(channels),
+    }
     store = host_loopback_store(world_size, timeout or 300.0)
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = []

@@ -15,8 +15,10 @@ This is the only module that knows which event loop is running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sniffio
@@ -101,8 +103,57 @@ def in_async_context() -> bool:
     return True
 
 
+# Who issues, when a helper issues on someone's behalf from whatever thread
+# runs it (gradient hooks run on autograd's threads on CUDA): (id, name).
+_ISSUING_AS: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
+    "asyncdist_issuing_as", default=None
+)
+
+IssuerKey = tuple[int, int]
+
+
+@contextlib.contextmanager
+def issuing_as(owner: object, name: str) -> Iterator[None]:
+    """Collectives issued inside the block count as ``owner``'s, from any
+    thread or task (``name`` appears in messages)."""
+    token = _ISSUING_AS.set((id(owner), name))
+    try:
+        yield
+    finally:
+        _ISSUING_AS.reset(token)
+
+
+def issuer_key() -> IssuerKey:
+    """Who is issuing, cheaply: ``(thread, task)`` ids (task 0 outside any
+    task), or ``(-1, owner)`` inside :func:`issuing_as`."""
+    override = _ISSUING_AS.get()
+    if override is not None:
+        return (-1, override[0])
+    thread = threading.get_ident()
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return (thread, 0)
+    if library == "trio":
+        import trio
+
+        return (thread, id(trio.lowlevel.current_task()))
+    return (thread, id(asyncio.current_task()))
+
+
+def one_after_another(last: IssuerKey, new: IssuerKey) -> bool:
+    """Whether ``new`` issuing after ``last`` is sequential by construction:
+    the same issuer, or a thread's plain code and a task on that same thread
+    (``anyio.run`` inside sync code, or sync code after it returned), which
+    cannot both run at once."""
+    return last == new or (last[0] == new[0] >= 0 and 0 in (last[1], new[1]))
+
+
 def current_issuer() -> str:
     """Who is issuing a collective: the running task, or else the thread."""
+    override = _ISSUING_AS.get()
+    if override is not None:
+        return override[1]
     try:
         library = sniffio.current_async_library()
     except sniffio.AsyncLibraryNotFoundError:

@@ -82,6 +82,7 @@ def test_session_surface() -> None:
         "device",
         "debug",
         "trace",
+        "channels",
     ]
 
 
