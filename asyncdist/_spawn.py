@@ -186,8 +186,11 @@ def spawn(
     brings only its own elements).
 
     Args:
-        backend, timeout, device, debug, channels: passed to each rank's
-            ``DistSession`` (``timeout`` in seconds).
+        backend: each rank's ``DistSession`` backend (default gloo).
+        timeout: the sessions' timeout (seconds).
+        device: each session's device.
+        debug: verify collectives across ranks (``DistSession(debug=True)``).
+        channels: channels each session forms on entry.
         join_timeout: wall-clock bound for the whole run; ``None``: none.
 
     Returns:
