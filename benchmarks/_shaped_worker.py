@@ -224,7 +224,72 @@ def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-TASKS = {"overlap": overlap, "bandwidth": bandwidth, "ddp": ddp}
+def concurrency(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
+    """A 4 B allreduce issued while a bulk allreduce is in flight: on the same
+    lane, or on a channel of its own; and the bulk's throughput with a stream
+    of small ops on the channel alongside. Interleaved repetitions, medians."""
+    bulk = torch.zeros(int(options.get("mib", 64)) * MIB // 4)
+    tiny = torch.zeros(1)
+    small = s.channel("small")
+    reps, alongside = int(options.get("reps", 10)), int(options.get("alongside", 20))
+
+    def idle() -> float:
+        t0 = time.perf_counter()
+        s.allreduce(tiny).wait()
+        return time.perf_counter() - t0
+
+    def during(lane: Any) -> float:
+        h = s.allreduce(bulk)
+        t0 = time.perf_counter()
+        lane.allreduce(tiny).wait()
+        latency = time.perf_counter() - t0
+        h.wait()
+        return latency
+
+    def bulk_alone() -> float:
+        t0 = time.perf_counter()
+        s.allreduce(bulk).wait()
+        return time.perf_counter() - t0
+
+    def bulk_with_small() -> float:
+        t0 = time.perf_counter()
+        h = s.allreduce(bulk)
+        for _ in range(alongside):  # the same count on every rank
+            small.allreduce(tiny).wait()
+        h.wait()
+        return time.perf_counter() - t0
+
+    modes = {
+        "idle": idle,
+        "same_lane": lambda: during(s),
+        "own_channel": lambda: during(small),
+        "bulk_alone": bulk_alone,
+        "bulk_with_small": bulk_with_small,
+    }
+    for fn in modes.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    names = list(modes)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            s.barrier().wait()
+            times[name].append(modes[name]())
+    med = {name: statistics.median(v) for name, v in times.items()}
+    nbytes = bulk.numel() * bulk.element_size()
+    return {
+        "median_s": med,
+        "same_lane_x_idle": med["same_lane"] / med["idle"],
+        "own_channel_x_idle": med["own_channel"] / med["idle"],
+        "bulk_gbit_s": {
+            "alone": nbytes * 8 / med["bulk_alone"] / 1e9,
+            "with_small": nbytes * 8 / med["bulk_with_small"] / 1e9,
+        },
+        "bulk_throughput_kept": med["bulk_alone"] / med["bulk_with_small"],
+        "samples": times,
+    }
+
+
+TASKS = {"overlap": overlap, "bandwidth": bandwidth, "ddp": ddp, "concurrency": concurrency}
 
 
 def main() -> None:

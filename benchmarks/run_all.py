@@ -21,6 +21,7 @@ sys.path.insert(0, str(HERE))
 
 import _common  # noqa: E402
 import bandwidth  # noqa: E402
+import concurrency  # noqa: E402
 import ddp  # noqa: E402
 import debug_cost  # noqa: E402
 import fusion  # noqa: E402
@@ -33,6 +34,7 @@ SUITE = {
     "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5"]),
     "debug_cost": (debug_cost.main, ["--rounds", "7"], ["--rounds", "3"]),
     "loop_stall": (loop_stall.main, ["--rounds", "3"], ["--rounds", "1"]),
+    "concurrency": (concurrency.main, ["--reps", "10"], ["--reps", "4", "--no-shaped"]),
     "overlap": (
         lambda a: _shaped(overlap, "overlap", {"mib": 4, "reps": 15}, a),
         ["--reps", "15"],
