@@ -21,6 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
         args=(args.steps, args.bucket_mb),
         backend=args.backend,
         timeout=120,
+        channels=[_demo.CHANNEL],  # formed on entry, off the event loop
     )
     _demo.report(results[0])
     return 0
