@@ -238,3 +238,18 @@ def test_threads_stay_flat_over_sessions_with_channels() -> None:
         counts.append(asyncdist_threads())
     assert not dist.is_initialized()
     assert max(counts) == counts[0] == 0, counts
+
+
+def _debug_on_a_channel(s: DistSession) -> str:
+    ch = s.channel("c")
+    s.allreduce(torch.ones(3)).wait()  # the session's lane is in step...
+    try:  # ...the channel's is not: shapes differ
+        ch.allreduce(torch.ones(2 if s.rank == 0 else 5)).wait()
+    except CollectiveMismatch as exc:
+        return str(exc)
+    return "no mismatch detected"
+
+
+def test_debug_mode_verifies_each_channel() -> None:
+    for message in spawn(_debug_on_a_channel, 2, timeout=20, debug=True):
+        assert "allreduce of float32[2] on rank 0 vs float32[5] on rank 1" in message
