@@ -30,8 +30,10 @@ from ._env import LOOPBACK, LaunchEnv, bind_loopback, is_loopback
 from .errors import InitError
 
 _lock = threading.Lock()
-_kept: dict[tuple[str, int], tuple[dist.Store, str]] = {}
-_session_ids = itertools.count()
+# (addr, port) -> (store, generation, session numbers on it): sessions are
+# numbered per store, so a rank that used another store before still agrees
+# with a fresh peer on this one
+_kept: dict[tuple[str, int], tuple[dist.Store, str, itertools.count[int]]] = {}
 
 GENERATION_KEY = "asyncdist/generation"
 _POLL_FIRST, _POLL_MAX = 0.002, 0.1  # seconds between checks, doubling
@@ -216,7 +218,7 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
                     "MASTER_PORT, that the master is up, and that the port is free and "
                     "reachable."
                 ) from exc
-            kept = _kept[key] = (store, generation)
-    store, generation = kept
-    prefix = f"asyncdist/{generation}/session{next(_session_ids)}"
+            kept = _kept[key] = (store, generation, itertools.count())
+    store, generation, numbers = kept
+    prefix = f"asyncdist/{generation}/session{next(numbers)}"
     return dist.PrefixStore(prefix, store), None, fresh
