@@ -149,3 +149,44 @@ def test_op_takes_names_and_reduce_ops(op: object) -> None:
     """d(w . x)/dw = x = rank + 1: summed over 2 ranks 3, averaged 1.5."""
     expected = 1.5 if op == dist.ReduceOp.AVG else 3.0
     assert spawn(_summed, 2, args=(op,)) == [[expected, expected]] * 2
+
+
+async def _training_beside_metrics(s: DistSession) -> dict[str, Any]:
+    """gradient_sync's buckets travel on their own channel: a metrics task
+    issuing on the session meanwhile neither pairs with a bucket nor is refused."""
+    import anyio
+
+    torch.manual_seed(s.rank)
+    model = Net()
+    sync = s.gradient_sync(model, bucket_mb=0.0005, first_bucket_mb=0.0002)
+    await sync.broadcast_parameters_async()
+    metrics: list[float] = []
+
+    async def train() -> None:
+        for step in range(5):
+            x, y = _batch(s.rank, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            await anyio.sleep(0.002 * s.rank)  # the ranks interleave differently
+            await sync
+            model.zero_grad(set_to_none=True)
+
+    async def report() -> None:
+        for step in range(20):
+            t = torch.tensor([float(step + s.rank)])
+            metrics.append(float(await s.allreduce(t)))
+            await anyio.sleep(0.001 * (1 - s.rank))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(train)
+        tg.start_soon(report)
+    return {"metrics": metrics, "buckets": len(sync.bucket_sizes)}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_gradient_sync_and_a_metrics_task_run_side_by_side(backend: str) -> None:
+    results = spawn(
+        _training_beside_metrics, 2, timeout=30, async_backend=backend, channels=["gradients"]
+    )
+    for r in results:
+        assert r["metrics"] == [float(2 * step + 1) for step in range(20)]
+        assert r["buckets"] > 1
