@@ -100,6 +100,16 @@ def test_dist_mode_keeps_return_value_and_finalizes_on_error() -> None:
     assert work.__name__ == "work"
 
 
+def test_dist_context_returns_the_session() -> None:
+    with compat.DistContext() as session:
+        assert isinstance(session, DistSession)
+        assert compat.get_world_size() == 1
+        t = torch.ones(2)
+        compat.allreduce(t)  # v0.1: a sum, here over one rank
+        assert t.tolist() == [1.0, 1.0]
+    assert not dist.is_initialized()
+
+
 def test_dist_mode_on_async_functions() -> None:
     @compat.dist_mode
     async def work() -> float:
@@ -128,6 +138,19 @@ def _compat_ranks(session: DistSession) -> dict[str, Any]:
     out["group_bcast"] = b.item()
     with pytest.raises(ValueError, match="divide"):
         compat.get_group(3)
+    # v0.1's other names: allgather (torch's all_gather) and simple_group_split
+    gathered = [torch.zeros(2) for _ in range(4)]
+    assert compat.allgather(gathered, torch.tensor([1.0, 2.0]) * compat.get_rank()) is None
+    out["gathered"] = [t.tolist() for t in gathered]
+    with pytest.raises(ValueError, match="3 tensors"):
+        compat.allgather(gathered[:3], torch.zeros(2))  # refused before launch
+    block = compat.simple_group_split(4, compat.get_rank(), 2)
+    pair = [torch.zeros(1), torch.zeros(1)]
+    handle = compat.allgather(pair, torch.tensor([float(compat.get_rank())]), block, True)
+    assert isinstance(handle, Handle)
+    out["block_gather"] = [t.item() for t in handle.wait()]
+    with pytest.raises(ValueError, match="divide"):
+        compat.simple_group_split(4, compat.get_rank(), 3)
     return out
 
 
@@ -139,6 +162,8 @@ def test_multi_rank_compat_and_get_group() -> None:
         assert out["seed_example"] == [16, 20]  # 1+3+5+7, 2+4+6+8
         assert out["group_sum"] == (1.0 if rank < 2 else 5.0)
         assert out["group_bcast"] == (1.0 if rank < 2 else 3.0)
+        assert out["gathered"] == [[0.0, 0.0], [1.0, 2.0], [2.0, 4.0], [3.0, 6.0]]
+        assert out["block_gather"] == ([0.0, 1.0] if rank < 2 else [2.0, 3.0])
 
 
 def _dist_init_explicit(session: DistSession, port: int) -> tuple[int, int]:
@@ -187,8 +212,8 @@ def _adopt_once(adopted: list[DistSession]) -> None:
     t = torch.ones(2)
     compat.allreduce(t)  # adopts the group
     assert t.tolist() == [1.0, 1.0]
-    assert compat._adopted is not None
-    adopted.append(compat._adopted)  # to close them all, even if the test fails
+    assert compat._shared.adopted is not None
+    adopted.append(compat._shared.adopted)  # to close them all, even if the test fails
 
 
 def _close_all(adopted: list[DistSession]) -> None:
