@@ -44,6 +44,8 @@ def test_every_name_exists_and_is_public() -> None:
 
 def test_compat_surface() -> None:
     assert set(asyncdist.compat.__all__) == {
+        "DistContext",
+        "allgather",
         "allreduce",
         "broadcast",
         "dist_finalize",
@@ -53,6 +55,7 @@ def test_compat_surface() -> None:
         "get_group",
         "get_rank",
         "get_world_size",
+        "simple_group_split",
     }
     for name in asyncdist.compat.__all__:
         assert callable(getattr(asyncdist.compat, name))
