@@ -14,19 +14,31 @@ stream of collectives is identical everywhere:
 * after it, the buckets are rebuilt from the order gradients actually arrived
   on rank 0 (broadcast to all ranks once), so later steps fill each bucket
   with gradients that become ready together.
+
+Two options go beyond DDP's reach:
+
+* **step overlap** (``optimizer=``): buckets are finished in launch order, and
+  each bucket's parameters are updated by the optimizer the moment its
+  allreduce lands, while later buckets are still on the wire;
+* **wire compression** (``compression="bf16"`` / ``"fp16"``): a bucket travels
+  in the narrow type, pre-divided by the world size, and is copied back into
+  the full-precision bucket, as DDP's ``bf16_compress_hook`` and
+  ``fp16_compress_hook`` do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 
 from . import _ops
-from ._handle import Handle, combined, wait_all
+from ._handle import Handle, combined
 from ._wakeup import issuing_as
+from .errors import AsyncDistError
 
 MB = 1 << 20
 
@@ -36,6 +48,9 @@ class Lane(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     def allreduce(
         self, tensor: torch.Tensor, op: _ops.ReduceOpLike = ...
@@ -48,12 +63,118 @@ class Lane(Protocol):
     ) -> Handle[Any]: ...
 
 
+COMPRESSION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_WIDE = (torch.float32, torch.float64)  # the dtypes worth narrowing on the wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """gradient_sync's arguments, checked (before anything is launched)."""
+
+    params: tuple[torch.nn.Parameter, ...]
+    cap: int
+    first_cap: int
+    op: str
+    optimizer: torch.optim.Optimizer | None
+    compression: torch.dtype | None
+    clip_grad_norm: float | None
+
+    @classmethod
+    def checked(
+        cls,
+        module: torch.nn.Module,
+        *,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        op: _ops.ReduceOpLike = "mean",
+        optimizer: torch.optim.Optimizer | None = None,
+        compression: str | None = None,
+        clip_grad_norm: float | None = None,
+    ) -> Options:
+        """Raises TypeError / ValueError naming the bad argument."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"gradient_sync: module must be a torch.nn.Module, not {type(module).__name__}"
+            )
+        for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+            if not _positive(value):
+                raise ValueError(
+                    f"gradient_sync: {name} must be a positive number of MiB, got {value!r}"
+                )
+        reduction = _ops.reduction_name(op, collective="gradient_sync")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"gradient_sync: op must be 'mean' or 'sum', not {op!r}")
+        if compression is not None and compression not in COMPRESSION:
+            raise ValueError(
+                f"gradient_sync: compression must be 'bf16', 'fp16' or None, not {compression!r}"
+            )
+        seen: set[int] = set()
+        params: list[torch.nn.Parameter] = []
+        for param in module.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+        if clip_grad_norm is not None:
+            if not _positive(clip_grad_norm):
+                raise ValueError(
+                    f"gradient_sync: clip_grad_norm must be a positive number, "
+                    f"got {clip_grad_norm!r}"
+                )
+            if optimizer is None:
+                raise ValueError(
+                    "gradient_sync: clip_grad_norm needs optimizer= (without one, clip "
+                    "after `await sync` with torch.nn.utils.clip_grad_norm_)"
+                )
+        if optimizer is not None:
+            _check_optimizer(optimizer, module, params)
+        return cls(
+            params=tuple(params),
+            cap=int(bucket_mb * MB),
+            first_cap=int(min(first_bucket_mb, bucket_mb) * MB),
+            op=reduction,
+            optimizer=optimizer,
+            compression=None if compression is None else COMPRESSION[compression],
+            clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
+        )
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _check_optimizer(
+    optimizer: object, module: torch.nn.Module, params: list[torch.nn.Parameter]
+) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"gradient_sync: optimizer must be a torch.optim.Optimizer, "
+            f"not {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "gradient_sync: LBFGS updates all parameters together (it needs a closure); "
+            "step overlap needs an optimizer whose update is per parameter"
+        )
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = {id(p): name for name, p in module.named_parameters()}
+    missing = [names[id(p)] for p in params if id(p) not in owned]
+    if missing:
+        raise ValueError(
+            f"gradient_sync: the optimizer does not own the module's parameter(s) "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; step overlap "
+            f"needs an optimizer over the module's parameters"
+        )
+
+
 class _Bucket:
-    """One flat buffer of gradients of one dtype, reduced by one allreduce."""
+    """One flat buffer of gradients of one dtype, reduced by one allreduce
+    (of ``wire``, its narrow copy, when compressed)."""
 
-    __slots__ = ("buffer", "handle", "offsets", "params", "pending")
+    __slots__ = ("buffer", "handle", "offsets", "params", "pending", "wire")
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(
+        self, params: list[torch.nn.Parameter], device: torch.device, narrow: torch.dtype | None
+    ) -> None:
         self.params = params
         self.offsets: list[int] = []
         total = 0
@@ -61,6 +182,9 @@ class _Bucket:
             self.offsets.append(total)
             total += param.numel()
         self.buffer = torch.zeros(total, dtype=params[0].dtype, device=device)
+        self.wire: torch.Tensor | None = None
+        if narrow is not None and self.buffer.dtype in _WIDE:
+            self.wire = torch.empty(total, dtype=narrow, device=device)
         self.pending = len(params)
         self.handle: Handle[torch.Tensor] | None = None
 
@@ -70,11 +194,72 @@ class _Bucket:
         return self.buffer[start : start + param.numel()].view_as(param)
 
 
+class _Stepper:
+    """Runs an optimizer's update over a part of its parameters at a time.
+
+    Each group's ``params`` list is narrowed to the part for one call of
+    ``optimizer.step()`` and restored after it; per-parameter optimizers
+    (SGD, Adam, AdamW, ...) then compute exactly what one full step would.
+    A step pre-hook refuses a second, manual ``optimizer.step()`` in a step
+    that gradient_sync already took.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.stepped = False  # this step's update is done; a manual step would repeat it
+        self._ours = False
+        self._hook = optimizer.register_step_pre_hook(self._guard)
+
+    def _guard(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.stepped and not self._ours:
+            raise AsyncDistError(
+                f"{type(optimizer).__name__}.step() called after `await sync` already "
+                f"stepped it: gradient_sync(optimizer=...) updates the parameters itself, "
+                f"bucket by bucket; remove the optimizer.step() call"
+            )
+
+    def parts(self, bucket_of: dict[int, int], buckets: int) -> list[list[list[Any]]]:
+        """Per bucket (and one more for parameters in no bucket), per group,
+        the parameters it updates, in the group's own order."""
+        groups = self.optimizer.param_groups
+        parts: list[list[list[Any]]] = [[[] for _ in groups] for _ in range(buckets + 1)]
+        for g, group in enumerate(groups):
+            for param in group["params"]:
+                parts[bucket_of.get(id(param), buckets)][g].append(param)
+        return parts
+
+    def step(self, part: list[list[Any]] | None) -> None:
+        """``optimizer.step()`` over ``part`` (per group), or over everything."""
+        if part is None:
+            self._ours = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._ours = False
+            return
+        if not any(part):
+            return
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        try:
+            for group, params in zip(groups, part, strict=True):
+                group["params"] = params
+            self._ours = True
+            self.optimizer.step()
+        finally:
+            self._ours = False
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
 class GradientSync:
     """Average gradients across ranks, overlapped with backward.
 
-    Made by :meth:`DistSession.gradient_sync`; await it (or ``.wait()``)
-    after ``loss.backward()`` and before ``optimizer.step()``::
+    Made by [DistSession.gradient_sync][asyncdist.DistSession.gradient_sync];
+    await it (or ``.wait()``) after ``loss.backward()``::
 
         sync = session.gradient_sync(model)
         await sync.broadcast_parameters_async()  # same start on every rank
@@ -83,45 +268,22 @@ class GradientSync:
             await sync                       # every .grad is now the average
             opt.step(); opt.zero_grad(set_to_none=True)
 
+    With ``gradient_sync(model, optimizer=opt)``, awaiting also updates the
+    parameters, bucket by bucket as each allreduce lands (do not call
+    ``opt.step()`` yourself; ``zero_grad`` and schedulers are used as usual).
+
     Parameters without ``requires_grad`` are left alone; a parameter that got
     no gradient on this rank in a step counts as a zero gradient, and receives
     the average of the others. Use it as a context manager (or call
-    :meth:`remove`) to take its hooks off the module.
+    [remove][asyncdist.GradientSync.remove]) to take its hooks off the module.
     """
 
-    def __init__(
-        self,
-        session: Lane,
-        module: torch.nn.Module,
-        *,
-        bucket_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
-        op: _ops.ReduceOpLike = "mean",
-    ) -> None:
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(
-                f"gradient_sync: module must be a torch.nn.Module, not {type(module).__name__}"
-            )
-        for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"gradient_sync: {name} must be a positive number of MiB, got {value!r}"
-                )
-        name = _ops.reduction_name(op, collective="gradient_sync")
-        if name not in ("mean", "sum"):
-            raise ValueError(f"gradient_sync: op must be 'mean' or 'sum', not {op!r}")
+    def __init__(self, session: Lane, module: torch.nn.Module, options: Options) -> None:
         self._lane = session
         self._issuer = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
         self._module = module
-        self._op = name
-        self._cap = int(bucket_mb * MB)
-        self._first_cap = int(min(first_bucket_mb, bucket_mb) * MB)
-        seen: set[int] = set()
-        self._params: list[torch.nn.Parameter] = []
-        for param in module.parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                self._params.append(param)
+        self._options = options
+        self._params = list(options.params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, slot)
@@ -129,7 +291,11 @@ class GradientSync:
         self._arrivals: list[int] | None = []  # recorded during the first backward
         self._ready = [False] * len(self._params)
         self._next_launch = 0
+        self._landed = 0  # buckets of this step written back (and stepped)
+        self._parts: list[list[list[Any]]] | None = None  # this step's optimizer parts
+        self._order: Handle[list[int]] | None = None  # the pending bucket rebuild
         self._enabled = True
+        self._stepper = None if options.optimizer is None else _Stepper(options.optimizer)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in self._params
@@ -139,6 +305,7 @@ class GradientSync:
 
     def _build(self, order: list[int]) -> None:
         """Pack parameters, in ``order``, into buckets of one dtype each."""
+        cap, first_cap = self._options.cap, self._options.first_cap
         buckets: list[list[torch.nn.Parameter]] = []
         current: list[torch.nn.Parameter] = []
         size = 0
@@ -149,13 +316,13 @@ class GradientSync:
                 current, size = [], 0
             current.append(param)
             size += param.numel() * param.element_size()
-            if size >= (self._first_cap if not buckets else self._cap):
+            if size >= (first_cap if not buckets else cap):
                 buckets.append(current)  # a bucket closes once it reaches its cap
                 current, size = [], 0
         if current:
             buckets.append(current)
-        device = self._lane.device
-        self._buckets = [_Bucket(params, device) for params in buckets]
+        device, narrow = self._lane.device, self._options.compression
+        self._buckets = [_Bucket(params, device, narrow) for params in buckets]
         self._where = {
             self._index[id(param)]: (b, slot)
             for b, bucket in enumerate(self._buckets)
@@ -164,12 +331,14 @@ class GradientSync:
 
     @property
     def bucket_sizes(self) -> list[int]:
-        """Bytes in each bucket, in launch order."""
+        """Bytes in each bucket, in launch order (before any compression)."""
         return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
 
     # -- during backward ----------------------------------------------------------------
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self._stepper is not None:
+            self._stepper.stepped = False  # a new step has begun
         if not self._enabled or param.grad is None:
             return
         index = self._index[id(param)]
@@ -198,29 +367,77 @@ class GradientSync:
             # hooks run on autograd's threads (CUDA) or the caller's: every
             # launch of this object counts as its own, whichever thread runs it
             with issuing_as(self, self._issuer):
-                bucket.handle = self._lane.allreduce(bucket.buffer, op=self._op)
+                bucket.handle = self._launch(bucket)
             self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> Handle[torch.Tensor]:
+        if bucket.wire is None:
+            return self._lane.allreduce(bucket.buffer, op=self._options.op)
+        # DDP's compress hooks: narrow, pre-divide (so fp16 cannot overflow), sum
+        bucket.wire.copy_(bucket.buffer)
+        if self._options.op == "mean":
+            bucket.wire.div_(self._lane.world_size)
+        return self._lane.allreduce(bucket.wire, op="sum")
 
     # -- finishing a step ---------------------------------------------------------------
 
-    def _launch_rest(self) -> list[Handle[torch.Tensor]]:
-        self._launch_ready(everything=True)
-        return [b.handle for b in self._buckets if b.handle is not None]
+    def _finish(self) -> Iterator[Handle[Any]]:
+        """Finish this step, yielding each handle to wait on (sync and async
+        callers share it). Progress lives on ``self``, so a cancelled await
+        resumes where it stopped."""
+        if self._order is None:
+            self._launch_ready(everything=True)
+            stepper, clip = self._stepper, self._options.clip_grad_norm
+            if stepper is not None and self._parts is None:
+                bucket_of = {
+                    id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params
+                }
+                self._parts = stepper.parts(bucket_of, len(self._buckets))
+            while self._landed < len(self._buckets):
+                bucket = self._buckets[self._landed]
+                assert bucket.handle is not None
+                yield bucket.handle
+                self._land(bucket)
+                if stepper is not None and self._parts is not None and clip is None:
+                    stepper.step(self._parts[self._landed])
+                self._landed += 1
+            if stepper is not None and self._parts is not None:
+                self._finish_step(stepper, clip, self._parts)
+            self._ready = [False] * len(self._params)
+            self._next_launch = self._landed = 0
+            self._parts = None
+            self._order = self._rank0_order()
+            if self._order is None:
+                return
+        yield self._order
+        order, self._order = self._order, None
+        self._build(order.wait())  # already complete
 
-    def _write_back(self) -> None:
+    def _land(self, bucket: _Bucket) -> None:
         """Point each ``.grad`` at its averaged slot of the bucket (no copy).
 
         Like DDP's ``gradient_as_bucket_view``: with ``zero_grad(set_to_none=
         False)`` the next backward accumulates straight into the bucket, and
         with ``set_to_none=True`` the hook copies the fresh gradient in.
         """
-        for bucket in self._buckets:
-            for slot, param in enumerate(bucket.params):
-                param.grad = bucket.slot(slot)
-            bucket.handle = None
-            bucket.pending = len(bucket.params)
-        self._ready = [False] * len(self._params)
-        self._next_launch = 0
+        if bucket.wire is not None:
+            bucket.buffer.copy_(bucket.wire)  # back to full precision
+        for slot, param in enumerate(bucket.params):
+            param.grad = bucket.slot(slot)
+        bucket.handle = None
+        bucket.pending = len(bucket.params)
+
+    def _finish_step(
+        self, stepper: _Stepper, clip: float | None, parts: list[list[list[Any]]]
+    ) -> None:
+        """The update's last part: the optimizer's parameters in no bucket,
+        or, when clipping, everything (the global norm needs every bucket)."""
+        if clip is None:
+            stepper.step(parts[-1])
+        else:
+            torch.nn.utils.clip_grad_norm_(self._module.parameters(), clip)
+            stepper.step(None)
+        stepper.stepped = True
 
     def _rank0_order(self) -> Handle[list[int]] | None:
         """After the first step: every rank's bucket order, taken from rank 0's
@@ -236,23 +453,16 @@ class GradientSync:
             return self._lane.broadcast_object(order, src=0, allowed=[])
 
     def wait(self) -> None:
-        """Block until every bucket is reduced and gradients are written back."""
-        if not self._enabled:
-            return
-        wait_all(self._launch_rest()).wait()
-        self._write_back()
-        order = self._rank0_order()
-        if order is not None:
-            self._build(order.wait())
+        """Block until every bucket is reduced and gradients are written back
+        (and, with ``optimizer=``, the parameters updated)."""
+        if self._enabled:
+            for handle in self._finish():
+                handle.wait()
 
     async def _wait_async(self) -> None:
-        if not self._enabled:
-            return
-        await wait_all(self._launch_rest())
-        self._write_back()
-        order = self._rank0_order()
-        if order is not None:
-            self._build(await order)
+        if self._enabled:
+            for handle in self._finish():
+                await handle
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait_async().__await__()
@@ -298,10 +508,12 @@ class GradientSync:
         await self._broadcast_parameters(src)
 
     def remove(self) -> None:
-        """Take the hooks off the module. Idempotent."""
+        """Take the hooks off the module (and the optimizer). Idempotent."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._stepper is not None:
+            self._stepper.remove()
 
     def __enter__(self) -> GradientSync:
         return self

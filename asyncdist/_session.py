@@ -1,10 +1,10 @@
 """DistSession: the process group's lifecycle.
 
 A session forms (or adopts) the default group on entry, hands its
-communication to a :class:`~asyncdist._comm.Comm`, and on exit drains,
+communication to a ``Comm``, and on exit drains,
 reports and tears down, however the block ends. The collective surface comes
-from :class:`~asyncdist._collectives.Collectives`; sub-sessions from
-:meth:`DistSession.split` are sessions over a sub-lane.
+from ``Collectives``; sub-sessions from
+[DistSession.split][asyncdist.DistSession.split] are sessions over a sub-lane.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import os
 import traceback
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from . import _ops
 from ._channel import Channel
@@ -37,7 +38,7 @@ from ._env import (
     is_loopback,
     launcher_local_rank,
 )
-from ._grad import GradientSync
+from ._grad import GradientSync, Options
 from ._handle import Handle
 from ._store import forget, session_store
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
@@ -72,6 +73,20 @@ def _seconds(timeout: float | datetime.timedelta | None) -> float:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return seconds
+
+
+def _name_groups_afresh() -> None:
+    """Let the next default group be named as on every other rank: "0".
+
+    torch names the default group by a per-process counter that only
+    ``destroy_process_group()`` resets, and a failed ``init_process_group``
+    leaves it advanced. After a fault at entry that failed inside init on one
+    rank and before it on another (reaching the store), the ranks' next groups
+    would differ in name, wait for each other's keys under different prefixes,
+    and no later session of those processes could form. Called only while no
+    default group exists, so no group carries a counter-given name.
+    """
+    distributed_c10d._world.group_count = 0
 
 
 GRADIENTS = "gradients"  # the channel gradient_sync uses by default
@@ -353,6 +368,7 @@ class DistSession(Collectives):
         self, env: LaunchEnv, backend: str, device: torch.device, loopback: bool
     ) -> None:
         store, fresh = None, False
+        _name_groups_afresh()
         try:
             if self._init_method is None:
                 store, self._owned_store, fresh = session_store(env, self._timeout)
@@ -555,6 +571,9 @@ class DistSession(Collectives):
         *,
         first_bucket_mb: float = 1.0,
         channel: Channel | DistSession | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        compression: Literal["bf16", "fp16"] | None = None,
+        clip_grad_norm: float | None = None,
     ) -> GradientSync:
         """Average ``module``'s gradients across ranks, overlapped with backward.
 
@@ -570,14 +589,40 @@ class DistSession(Collectives):
         at entry with ``DistSession(channels=["gradients"])`` so nothing waits
         on the loop.
 
+        ``optimizer``: step overlap. Awaiting the sync also runs this
+        optimizer's update, one bucket's parameters at a time as each bucket
+        lands, while later buckets are still on the wire; the result is
+        bitwise the same as ``await sync; optimizer.step()``. The optimizer's
+        update must be per parameter (SGD, Adam, AdamW, RMSprop, ...); it must
+        own every parameter of ``module`` that requires grad. Do not call
+        ``optimizer.step()`` yourself (a second call in the same step raises).
+        ``clip_grad_norm``: clip by the global norm (as
+        ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)``)
+        before the update; the update then waits for the last bucket.
+
+        ``compression``: ``"bf16"`` or ``"fp16"`` sends float32/float64
+        buckets in that type, pre-divided by the world size, and copies the
+        average back in full precision (the numerics of DDP's
+        ``bf16_compress_hook``/``fp16_compress_hook``). Off by default.
+
         Raises:
-            TypeError, ValueError: not a module, or a bad bucket size or op.
+            TypeError, ValueError: not a module, a bad bucket size, op,
+                compression or clip, or an optimizer that is not a per-parameter
+                ``torch.optim.Optimizer`` over the module's parameters. Raised
+                before anything is launched.
         """
         self._lane("gradient_sync")
-        lane = self.channel(GRADIENTS) if channel is None else channel
-        return GradientSync(
-            lane, module, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, op=op
+        options = Options.checked(
+            module,
+            bucket_mb=bucket_mb,
+            first_bucket_mb=first_bucket_mb,
+            op=op,
+            optimizer=optimizer,
+            compression=compression,
+            clip_grad_norm=clip_grad_norm,
         )
+        lane = self.channel(GRADIENTS) if channel is None else channel
+        return GradientSync(lane, module, options)
 
     # -- tracing ------------------------------------------------------------------------
 
