@@ -153,74 +153,144 @@ class _Mlp(torch.nn.Module):
         return self.head(self.body(x))
 
 
+class _Timed:
+    """Wall time spent inside ``optimizer.step()`` (every call: gradient_sync's
+    per-bucket updates count too), from the optimizer's own step hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.total = 0.0
+        self._start = 0.0
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
+
+    def _pre(self, *_: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self.total += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
+
+
+ARMS = ("ddp", "ddp_bf16", "sync", "sync_step", "sync_bf16", "sync_both", "seed")
+
+
 def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
-    """Step time: gradient_sync vs DistributedDataParallel vs the seed's way."""
+    """Step time (backward + gradient averaging + Adam) of every arm, interleaved.
+
+    Each arm trains its own copy of one model on the same batch. Per step the
+    main thread's time splits into backward (forward and backward; for DDP,
+    the compute alone, its blocking finish counted as exposed communication),
+    exposed communication (waiting for buckets) and optimizer (inside
+    ``optimizer.step()``, gradient_sync's per-bucket updates included).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     width, depth = int(options.get("width", 1024)), int(options.get("depth", 4))
     batch = int(options.get("batch", 64))
+    buckets = {
+        "bucket_mb": float(options.get("bucket_mb", 4.0)),
+        "first_bucket_mb": float(options.get("first_bucket_mb", 1.0)),
+    }
     torch.manual_seed(0)
     base = _Mlp(width, depth)
-    ours_model, seed_model = copy.deepcopy(base), copy.deepcopy(base)
-    ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    sync = s.gradient_sync(
-        ours_model,
-        bucket_mb=float(options.get("bucket_mb", 4.0)),
-        first_bucket_mb=float(options.get("first_bucket_mb", 1.0)),
+    models = {arm: copy.deepcopy(base) for arm in ARMS}
+    opts = {arm: torch.optim.Adam(models[arm].parameters(), lr=1e-4) for arm in ARMS}
+    timers = {arm: _Timed(opts[arm]) for arm in ARMS}
+    ddps = {
+        arm: torch.nn.parallel.DistributedDataParallel(
+            models[arm], bucket_cap_mb=buckets["bucket_mb"]
+        )
+        for arm in ("ddp", "ddp_bf16")
+    }
+    # the body of DDP's bf16_compress_hook: DDP refuses to register that hook
+    # by name without CUDA and NCCL, the same function under another name it takes
+    ddps["ddp_bf16"].register_comm_hook(
+        None, lambda state, bucket: default_hooks._compress_hook(torch.bfloat16, state, bucket)
     )
+    syncs = {
+        "sync": s.gradient_sync(models["sync"], **buckets),
+        "sync_step": s.gradient_sync(models["sync_step"], **buckets, optimizer=opts["sync_step"]),
+        "sync_bf16": s.gradient_sync(models["sync_bf16"], **buckets, compression="bf16"),
+        "sync_both": s.gradient_sync(
+            models["sync_both"], **buckets, optimizer=opts["sync_both"], compression="bf16"
+        ),
+    }
     g = torch.Generator().manual_seed(s.rank)
     x = torch.randn(batch, width, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     world = s.world_size
 
-    def step_ours() -> None:
-        torch.nn.functional.cross_entropy(ours_model(x), y).backward()
-        sync.wait()
-        ours_model.zero_grad(set_to_none=True)
+    def step(arm: str) -> dict[str, float]:
+        model = ddps.get(arm, models[arm])
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        t1 = time.perf_counter()
+        if arm in syncs:
+            syncs[arm].wait()  # the step-overlap arms update inside it
+        elif arm == "seed":  # the seed helper: a blocking allreduce per gradient
+            for p in models[arm].parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        if arm not in ("sync_step", "sync_both"):
+            opts[arm].step()
+        t2 = time.perf_counter()
+        opts[arm].zero_grad(set_to_none=True)
+        return {"step": t2 - t0, "backward": t1 - t0, "optimizer": timers[arm].take()}
 
-    def step_ddp() -> None:
-        torch.nn.functional.cross_entropy(ddp_model(x), y).backward()
-        ddp_model.zero_grad(set_to_none=True)
-
-    def step_seed() -> None:
-        torch.nn.functional.cross_entropy(seed_model(x), y).backward()
-        for p in seed_model.parameters():  # the seed helper: a blocking allreduce per gradient
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
-        seed_model.zero_grad(set_to_none=True)
-
-    methods = {"asyncdist": step_ours, "ddp": step_ddp, "seed": step_seed}
-    for step in methods.values():  # warm-up (and gradient_sync's bucket rebuild)
-        step()
-        step()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    names = list(methods)
+    for arm in ARMS:  # warm-up (and gradient_sync's bucket rebuild)
+        step(arm)
+        step(arm)
+    samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     for r in range(int(options.get("reps", 10))):
-        for name in names[r % 3 :] + names[: r % 3]:
+        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
             s.barrier().wait()
-            t0 = time.perf_counter()
-            methods[name]()
-            times[name].append(time.perf_counter() - t0)
-    # compute alone, for reference
+            samples[arm].append(step(arm))
+    # compute alone (forward and backward, no communication) and communication
+    # alone (one allreduce of every gradient, in float32 and in bfloat16)
     compute = []
     for _ in range(5):
         t0 = time.perf_counter()
-        with sync.no_sync():
-            torch.nn.functional.cross_entropy(ours_model(x), y).backward()
-        ours_model.zero_grad(set_to_none=True)
+        with syncs["sync"].no_sync():
+            torch.nn.functional.cross_entropy(models["sync"](x), y).backward()
+        models["sync"].zero_grad(set_to_none=True)
         compute.append(time.perf_counter() - t0)
-    med = {name: statistics.median(v) for name, v in times.items()}
     params = sum(p.numel() for p in base.parameters())
+    comm = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        flat = torch.zeros(params, dtype=dtype)
+        times = []
+        for _ in range(3):
+            s.barrier().wait()
+            t0 = time.perf_counter()
+            s.allreduce(flat, op="sum").wait()
+            times.append(time.perf_counter() - t0)
+        comm[name] = statistics.median(times)
+    compute_s = statistics.median(compute)
+    med = {arm: statistics.median(x["step"] for x in samples[arm]) for arm in ARMS}
+    breakdown = {}
+    for arm in ARMS:
+        part = {k: statistics.median(x[k] for x in samples[arm]) for k in samples[arm][0]}
+        backward = min(part["backward"], compute_s) if arm.startswith("ddp") else part["backward"]
+        optimizer = part["optimizer"]
+        breakdown[arm] = {
+            "backward": backward,
+            "optimizer": optimizer,
+            "exposed_comm": max(med[arm] - backward - optimizer, 0.0),
+            "communication": comm["bfloat16" if arm.endswith(("bf16", "both")) else "float32"],
+        }
     return {
         "params": params,
         "grad_bytes": params * 4,
         "median_s": med,
-        "compute_s": statistics.median(compute),
-        "buckets": sync.bucket_sizes,
-        "ratio_vs_ddp": med["asyncdist"] / med["ddp"],
-        "speedup_over_seed": {
-            "asyncdist": med["seed"] / med["asyncdist"],
-            "ddp": med["seed"] / med["ddp"],
-        },
-        "samples": times,
+        "compute_s": compute_s,
+        "comm_s": comm,
+        "breakdown": breakdown,
+        "buckets": syncs["sync"].bucket_sizes,
+        "ratio_vs_ddp": {arm: med[arm] / med["ddp"] for arm in ARMS},
+        "samples": {arm: [x["step"] for x in samples[arm]] for arm in ARMS},
     }
 
 
