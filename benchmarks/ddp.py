@@ -1,8 +1,8 @@
 """DDP: step time of gradient_sync (plain, step overlap, bf16 wire, both) vs torch DDP.
 
-An MLP (4 x 1024 wide, ~4.2 M parameters, Adam) trains on two ranks in two
-namespaces over a tbf-shaped 1 Gbit/s link, where a step is communication
-bound. Seven arms alternate step by step, each on its own copy of the model
+An MLP (4 x 1024 wide, ~4.2 M parameters, batch 16, Adam) trains on two
+ranks in two namespaces over a tbf-shaped 1 Gbit/s link, where a step is
+communication bound. Seven arms alternate step by step, each on its own copy of the model
 and the same batch (medians): DDP; DDP with bf16 compression (the body of
 torch's ``bf16_compress_hook``); gradient_sync; gradient_sync with step
 overlap (``optimizer=``); gradient_sync with ``compression="bf16"``; both; and
@@ -92,7 +92,7 @@ def summarize(
 OPTIONS = {
     "width": 1024,
     "depth": 4,
-    "batch": 64,
+    "batch": 16,
     "bucket_mb": 4.0,
     "first_bucket_mb": 1.0,
     "reps": 10,
