@@ -4,6 +4,7 @@ from ._grad import GradientSync as GradientSync
 from ._handle import Handle as Handle
 from ._handle import wait_all as wait_all
 from ._session import DistSession as DistSession
+from ._session import State as State
 from ._spawn import spawn as spawn
 from ._version import __version__ as __version__
 from .errors import AsyncDistError as AsyncDistError
@@ -27,6 +28,7 @@ __all__ = [
     "PeerFailure",
     "SessionBroken",
     "SessionClosed",
+    "State",
     "__version__",
     "spawn",
     "wait_all",

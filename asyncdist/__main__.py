@@ -1,12 +1,53 @@
-"""The ``asyncdist`` command: ``demo``, ``info`` and ``bench``."""
+"""The asyncdist command: demo, info and bench.
+
+Plain text on purpose: this docstring is ``asyncdist --help``'s description.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import runpy
 import sys
 from pathlib import Path
+
+from ._version import __version__
+
+# benchmarks/run_all.py's suite, in the order it runs (tests check that the two agree)
+BENCHMARKS = (
+    "latency",
+    "fusion",
+    "debug_cost",
+    "loop_stall",
+    "concurrency",
+    "overlap",
+    "bandwidth",
+    "ddp",
+)
+
+
+def _benchmark_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
+        )
+    return names or list(BENCHMARKS)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``asyncdist bench`` and ``benchmarks/run_all.py``, defined
+    once for both: ``--quick`` and ``--only NAMES`` (parsed to a list of names)."""
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument(
+        "--only",
+        type=_benchmark_names,
+        default=list(BENCHMARKS),
+        metavar="NAMES",
+        help="comma-separated subset of " + ", ".join(BENCHMARKS) + " (default: all)",
+    )
+    return parser
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -15,6 +56,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.steps < 6:
         raise SystemExit("asyncdist demo: --steps must be at least 6")
+    _demo.starting(args.world_size, args.backend)
     results = spawn(
         _demo.train,
         args.world_size,
@@ -103,17 +145,18 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    sys.argv = [str(where / "run_all.py"), *args.rest]
     sys.path.insert(0, str(where))
-    try:
-        runpy.run_path(str(where / "run_all.py"), run_name="__main__")
-    except SystemExit as exit_:
-        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 1
-    return 0
+    spec = importlib.util.spec_from_file_location("run_all", where / "run_all.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {where / 'run_all.py'}")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    return int(run_all.run(args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncdist", description=__doc__)
+    parser = argparse.ArgumentParser(prog="asyncdist", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"asyncdist {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="train a small model on local ranks, with overlap")
@@ -126,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     info = commands.add_parser("info", help="what a DistSession would do in this environment")
     info.set_defaults(run=_info)
 
-    bench = commands.add_parser("bench", help="run the benchmark suite (benchmarks/run_all.py)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="passed to run_all.py")
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark suite (benchmarks/run_all.py)",
+        description="Run the benchmark suite (benchmarks/run_all.py of a clone): JSON and "
+        "plots under benchmarks/results/, a summary on the terminal.",
+    )
+    add_bench_arguments(bench)
     bench.set_defaults(run=_bench)
 
     args = parser.parse_args(argv)

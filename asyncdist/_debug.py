@@ -5,11 +5,11 @@ first exchanges a fixed-size fingerprint (sequence number, op, shapes, dtypes,
 reduce op, root) over a group of its own, where every message has the same
 size, so a disagreement never reaches gloo (which may abort the whole process
 from C++ on a size mismatch). If the fingerprints differ, every rank raises
-:class:`~asyncdist.CollectiveMismatch` naming both sides, and nothing is
+[CollectiveMismatch][asyncdist.errors.CollectiveMismatch] naming both sides, and nothing is
 launched.
 
 This module is pure: it numbers, builds, encodes and compares fingerprints
-(:class:`Verifier`); the communication layer does the exchange.
+(``Verifier``); the communication layer does the exchange.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def mismatch(fingerprints: Sequence[Fingerprint]) -> str | None:
 
 class Verifier:
     """Debug mode's bookkeeping for one lane: the sequence number of each
-    collective. :meth:`fingerprint` runs at the call, in program order;
-    :meth:`check` once every rank's fingerprint is in. (Two tasks issuing on
+    collective. ``fingerprint`` runs at the call, in program order;
+    ``check`` once every rank's fingerprint is in. (Two tasks issuing on
     one lane at once are refused before this, in every mode.)
     """
 

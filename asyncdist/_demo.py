@@ -66,16 +66,8 @@ async def train(session: DistSession, steps: int, bucket_mb: float) -> dict[str,
 
     progress = None
     if session.is_main:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(
-            TextColumn("[bold]training[/] step {task.completed}/{task.total}"),
-            BarColumn(),
-            TextColumn("loss {task.fields[loss]:.3f}"),
-            TimeElapsedColumn(),
-        )
+        progress, task = progress_bar(steps)
         progress.start()
-        task = progress.add_task("train", total=steps, loss=float("nan"))
 
     flat = [torch.zeros_like(p) for p in grads]
     try:
@@ -110,7 +102,7 @@ async def train(session: DistSession, steps: int, bucket_mb: float) -> dict[str,
                 times["compute"].append(time.perf_counter() - t2)
             losses.append(loss.item())
             if progress is not None:
-                progress.update(task, advance=1, loss=losses[-1])
+                progress.update(task, advance=1, loss=f"loss {losses[-1]:.3f}")
     finally:
         if progress is not None:
             progress.stop()
@@ -129,6 +121,30 @@ async def train(session: DistSession, steps: int, bucket_mb: float) -> dict[str,
         "loss_first": losses[0],
         "loss_last": statistics.mean(losses[-4:]),
     }
+
+
+def progress_bar(steps: int, console: Any = None) -> tuple[Any, Any]:
+    """Rank 0's progress display and its task; the loss shows once a step has one."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]training[/] step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    return progress, progress.add_task("train", total=steps, loss="")
+
+
+def starting(world_size: int, backend: str) -> None:
+    """The status line shown while the ranks start (processes, group, channel)."""
+    from rich.console import Console
+
+    Console().print(
+        f"[bold]asyncdist demo[/]: starting {world_size} ranks on {backend} (processes, "
+        "process group, gradient channel), a few seconds..."
+    )
 
 
 def report(result: dict[str, Any]) -> None:

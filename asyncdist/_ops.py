@@ -139,6 +139,35 @@ def _resolve(op: Any, dtype: torch.dtype, *, backend: str, collective: str) -> R
     return Reduction(name, _BY_NAME[name], divide=False)
 
 
+# Collectives that write their result into the tensor passed, and what they do
+# with it: a result written into a contiguous copy of a strided view would not
+# reach the view, so the caller must pass the copy and read the result from it.
+_WRITES_INTO = {
+    "allreduce": "reduce",
+    "allreduce_coalesced": "reduce",
+    "reduce": "reduce",
+    "broadcast": "broadcast",
+    "recv": "receive into",
+    "scatter": "scatter into",
+}
+
+
+def _not_contiguous(collective: str, what: str) -> str:
+    """The message for a strided ``what``, worded for what ``collective`` does with it."""
+    written = what.partition("[")[0] in ("tensor", "tensors", "out")  # not scatter's chunks
+    verb = _WRITES_INTO.get(collective) if written else None
+    if verb is None:  # the tensor is only read: a contiguous copy does
+        return (
+            f"{collective}: {what} is not contiguous; pass {what}.contiguous() instead "
+            "(the backend reads contiguous memory only)"
+        )
+    return (
+        f"{collective}: {what} is not contiguous; call .contiguous() and {verb} that "
+        "copy, then read the result from it (a collective on a strided view would not "
+        "write back in place)"
+    )
+
+
 def check_tensor(
     tensor: Any, *, collective: str, backend: str, device: torch.device, what: str = "tensor"
 ) -> torch.Tensor:
@@ -154,10 +183,7 @@ def check_tensor(
     if tensor.is_sparse:
         raise ValueError(f"{collective}: {what} is sparse; pass a dense tensor")
     if not tensor.is_contiguous():
-        raise ValueError(
-            f"{collective}: {what} is not contiguous; call .contiguous() and reduce that "
-            "(a collective on a strided view would not write back in place)"
-        )
+        raise ValueError(_not_contiguous(collective, what))
     if backend == "gloo":
         if tensor.dtype not in GLOO_DTYPES:
             raise ValueError(f"{collective}: gloo cannot carry dtype {tensor.dtype}")
@@ -189,10 +215,10 @@ def check_rank(value: Any, *, world_size: int, collective: str, what: str) -> in
 
 
 def check_peer(value: Any, *, rank: int, world_size: int, collective: str, what: str) -> int:
-    """:func:`check_rank`, and not this rank itself (point-to-point ops).
+    """``check_rank``, and not this rank itself (point-to-point ops).
 
     Raises:
-        TypeError, ValueError: as :func:`check_rank`, or ``value`` is ``rank``.
+        TypeError, ValueError: as ``check_rank``, or ``value`` is ``rank``.
     """
     peer = check_rank(value, world_size=world_size, collective=collective, what=what)
     if peer == rank:
@@ -211,11 +237,11 @@ def tensor_list(
     what: str,
     length: int | None = None,
 ) -> list[torch.Tensor]:
-    """Return ``tensors`` as a list if each passes :func:`check_tensor`.
+    """Return ``tensors`` as a list if each passes ``check_tensor``.
 
     Raises:
         TypeError: not a sequence of tensors.
-        ValueError: not ``length`` of them, or a tensor :func:`check_tensor` refuses.
+        ValueError: not ``length`` of them, or a tensor ``check_tensor`` refuses.
     """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(
@@ -260,7 +286,7 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device | None = None) ->
 
 
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy :func:`pack`'s buffer back into ``tensors``, in place."""
+    """Copy ``pack``'s buffer back into ``tensors``, in place."""
     offset = 0
     for tensor in tensors:
         count = tensor.numel()

@@ -27,9 +27,14 @@ from typing import Any
 from ._store import host_loopback_store
 from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken
 
-# After the first rank fails, the others get this long to fail or finish on
-# their own (they usually see PeerFailure at once) before they are killed.
-FAILURE_GRACE = 10.0
+# Once a rank's own error (or its death) is known, the other ranks get this
+# long to finish or fail on their own (they usually see PeerFailure at once,
+# and their reports and logs are worth having) before they are killed.
+FAILURE_GRACE = 3.0
+# When the first error to arrive is a consequence (a rank saw its peer leave),
+# the rank that failed first is usually still leaving its session: this long
+# to report its own error, which then wins.
+CAUSE_GRACE = 2.0
 
 
 def _die_with_parent() -> None:
@@ -100,7 +105,7 @@ def _child(
 
 
 def _dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` by value, tensors included, with plain :mod:`pickle`.
+    """Pickle ``obj`` by value, tensors included, with plain ``pickle``.
 
     ``Connection.send`` uses multiprocessing's ``ForkingPickler``, where torch
     registers reductions that share a tensor's memory through a file
@@ -178,12 +183,20 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(session, *args)`` on ``world_size`` local ranks and return their results.
 
-    Each rank is a fresh process with its own :class:`DistSession` (on gloo
-    by default). ``fn`` may be ``async def``; it then runs under
+    Each rank is a fresh process with its own [DistSession][asyncdist.DistSession]
+    (on gloo by default). ``fn`` may be ``async def``; it then runs under
     ``async_backend`` (``"asyncio"`` or ``"trio"``). ``fn``, ``args`` and the
-    results must be picklable; ``fn`` must be importable (module level).
-    Results come back by value, tensors included (a view of a bigger tensor
-    brings only its own elements).
+    results must be picklable; ``fn`` must be importable (module level),
+    which is checked before any process starts. Results come back by value,
+    tensors included (a view of a bigger tensor brings only its own elements).
+
+    When a rank fails, the call raises as soon as the cause is known: after a
+    rank's own exception, or its death, the other ranks get at most 3 s to
+    finish or fail on their own (they usually see ``PeerFailure`` at once),
+    then they are killed and reaped, and the exception is raised. When the
+    first error to arrive is one a rank saw *because* a peer left
+    (``PeerFailure``, ``CollectiveTimeout``...), the others get up to 2 s to
+    report the cause, which then wins.
 
     Args:
         backend: each rank's ``DistSession`` backend (default gloo).
@@ -197,9 +210,12 @@ def spawn(
         The ranks' return values, indexed by rank.
 
     Raises:
+        TypeError: ``fn`` cannot be pickled (a lambda or nested function).
         Exception: the first failing rank's own exception, with a note naming
             the rank and its traceback.
-        PeerFailure: a rank died without reporting.
+        PeerFailure: a rank died without reporting (killed by SIGABRT: most
+            likely gloo aborting on mismatched collectives; the message says
+            how to find the difference).
         AsyncDistError: a rank's result or exception could not be pickled
             (or unpickled here); the message names the rank.
         TimeoutError: ``join_timeout`` passed.
@@ -210,6 +226,7 @@ def spawn(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    _check_importable(fn)
     options = {
         "backend": backend,
         "timeout": timeout,
@@ -243,12 +260,51 @@ def spawn(
             sender.close()
             procs.append(proc)
             conns[rank] = receiver
-        return _collect(procs, conns, join_timeout)
+        debugging = debug or os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
+        return _collect(procs, conns, join_timeout, debugging)
     finally:
         _kill_and_reap(procs)
         for conn in conns.values():
             conn.close()
         del store
+
+
+def _check_importable(fn: Callable[..., Any]) -> None:
+    """Refuse, before any process starts, an ``fn`` the ranks could not unpickle.
+
+    Raises:
+        TypeError: ``fn`` cannot be pickled (a lambda, a nested function...).
+    """
+    try:
+        pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # whatever pickling raises
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise TypeError(
+            f"spawn: fn ({name}) cannot be sent to the ranks ({type(exc).__name__}: {exc}). "
+            "Each rank is a fresh process that imports fn by name: define fn at module "
+            "level (not a lambda or a function nested in another), in a module the ranks "
+            "can import (under `if __name__ == '__main__':` in a script, only the call to "
+            "spawn goes)."
+        ) from exc
+
+
+def _died(rank: int, exitcode: int | None, debug: bool) -> PeerFailure:
+    """The error for a rank that exited without sending a result."""
+    message = f"rank {rank} exited with code {exitcode} without returning a result"
+    if exitcode == -signal.SIGABRT:
+        message += (
+            " (killed by SIGABRT). This is how gloo reports mismatched collectives: "
+            "ranks that issued different ops, or tensors of different shapes or dtypes, "
+            "in the same place."
+        )
+        if debug:
+            message += " debug mode was on, so look for a crash in native code (its stderr)."
+        else:
+            message += (
+                " Run with debug=True (or ASYNCDIST_DEBUG=1) to get a CollectiveMismatch "
+                "on every rank naming what differs."
+            )
+    return PeerFailure(message, op="spawn", rank=rank)
 
 
 def _is_consequence(error: BaseException) -> bool:
@@ -275,13 +331,16 @@ def _collect(
     procs: Sequence[multiprocessing.process.BaseProcess],
     conns: dict[int, multiprocessing.connection.Connection],
     join_timeout: float | None,
+    debug: bool = False,
 ) -> list[Any]:
     """Gather every rank's message; on failure, the root cause.
 
-    The rank that fails first is not always the first to *report*: its peers
-    see ``PeerFailure`` as soon as it leaves its session.  So once a rank
-    fails, the others get ``FAILURE_GRACE`` seconds to report, and the
-    earliest error that is not such a consequence wins.
+    Once a rank's own error (or its death) is known, the others get
+    ``FAILURE_GRACE`` seconds to report before spawn kills them. The rank
+    that fails first is not always the first to *report*, though: its peers
+    see ``PeerFailure`` as soon as it leaves its session. So when the first
+    error is such a consequence, the others get ``CAUSE_GRACE`` seconds, and
+    the earliest error that is not a consequence wins.
     """
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
@@ -315,12 +374,7 @@ def _collect(
             message = None if data is None else _load_message(data, rank)
             if message is None:
                 procs[rank].join()
-                error: BaseException = PeerFailure(
-                    f"rank {rank} exited with code {procs[rank].exitcode} without "
-                    "returning a result",
-                    op="spawn",
-                    rank=rank,
-                )
+                error: BaseException = _died(rank, procs[rank].exitcode, debug)
             elif message[0] == "ok":
                 results[rank] = message[1]
                 continue
@@ -328,8 +382,10 @@ def _collect(
                 error = message[1]
                 error.add_note(f"raised on rank {rank} of {len(procs)}; its traceback:")
                 error.add_note(message[2].rstrip())
-            if not errors:
-                grace = time.monotonic() + FAILURE_GRACE
+            if not _is_consequence(error) or not errors:
+                grace = time.monotonic() + (
+                    CAUSE_GRACE if _is_consequence(error) else FAILURE_GRACE
+                )
                 deadline = grace if deadline is None else min(deadline, grace)
             errors.append(error)
     if errors:

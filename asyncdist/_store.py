@@ -1,33 +1,42 @@
 """The rendezvous store under each session.
 
-* The local default and :func:`asyncdist.spawn` host a ``TCPStore`` on a
+* The local default and [asyncdist.spawn][asyncdist.spawn] host a ``TCPStore`` on a
   socket asyncdist binds itself to 127.0.0.1 with a port from the OS, so the
   store never listens beyond loopback and no port can be raced for.
 * Stores on a fixed ``MASTER_PORT`` (torchrun, SLURM, explicit) are kept for
   the life of the process: re-creating one on the same port right after
   closing it fails with EADDRINUSE, so sessions opened one after another share
-  it, each under its own :class:`~torch.distributed.PrefixStore`.
+  it, each under its own ``PrefixStore``.
 * A launcher agent's store (torchrun's, ``spawn``'s) outlives the workers, so
   after a torchrun restart it still holds the dead attempt's keys. Before the
   first session on it, the ranks agree on a fresh *generation* (see
-  :func:`agree_generation`) and key everything under it. torchrun's
+  ``agree_generation``) and key everything under it. torchrun's
   ``TORCHELASTIC_RESTART_COUNT`` cannot serve: it counts the restarts each
   node *caused*, so nodes disagree on it after one of them fails.
+* A rank that leaves a session on purpose leaves a notice in the session's
+  store first (``LeaveNotices``), so a peer whose collective then fails
+  on the closed connection can say "rank N left" rather than "a peer died".
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from ._env import LOOPBACK, LaunchEnv, bind_loopback, is_loopback
-from .errors import InitError
+from .errors import Departure, InitError
+
+logger = logging.getLogger("asyncdist")
+T = TypeVar("T")
 
 _lock = threading.Lock()
 # (addr, port) -> (store, generation, session numbers on it): sessions are
@@ -106,7 +115,7 @@ def _wait_for_master(host: str, port: int, timeout: float) -> float:
 def agree_generation(store: dist.Store, env: LaunchEnv, timeout: float) -> str:
     """Agree with the other ranks on a generation name no earlier attempt used.
 
-    Rank 0 picks a random name, publishes it under :data:`GENERATION_KEY` and
+    Rank 0 picks a random name, publishes it under ``GENERATION_KEY`` and
     welcomes every other rank by echoing the random token that rank wrote
     under the name. A rank that read a stale name (rank 0 of a dead attempt
     wrote it) gets no echo of its own token and says hello again as soon as
@@ -187,7 +196,7 @@ def forget(env: LaunchEnv) -> None:
 
 def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Store | None, bool]:
     """Return ``(store for this session, store the session owns or None, fresh)``;
-    ``fresh``: this call created the kept store (see :func:`forget`).
+    ``fresh``: this call created the kept store (see ``forget``).
 
     Raises:
         InitError: the master could not be reached or its port could not be
@@ -222,3 +231,123 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
     store, generation, numbers = kept
     prefix = f"asyncdist/{generation}/session{next(numbers)}"
     return dist.PrefixStore(prefix, store), None, fresh
+
+
+# -- leave notices ---------------------------------------------------------------------
+
+# Seconds a notice may take to post or read. Both run on a helper thread that
+# is abandoned past this bound, so a dead or unreachable store can neither slow
+# a session's exit nor hold up an error by more than this.
+NOTICE_TIMEOUT = 2.0
+# Sessions over a group this process formed, numbered in opening order (every
+# rank opens them in the same order), so each one's notices have keys of their
+# own even on a store that outlives it.
+_world_sessions = itertools.count()
+
+
+def _bounded(call: Callable[[], T], timeout: float = NOTICE_TIMEOUT) -> T | None:
+    """``call()``'s result, or ``None`` if it raised or took over ``timeout`` s."""
+    box: list[T] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except Exception as exc:  # noqa: BLE001 - a notice is best effort
+            logger.debug("leave notice: %s", exc)
+
+    thread = threading.Thread(target=run, name="asyncdist-notice", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return box[0] if box else None
+
+
+class LeaveNotices:
+    """The notices by which the ranks of one lane (a session, a sub-session,
+    a channel) tell each other that they left it on purpose.
+
+    A rank leaving a session appends ``"<rank>:finished,"`` (or ``raised``)
+    under the lane's key *before* it destroys any group, so a peer whose
+    collective fails on the closed connection finds the notice: it reads its
+    own lane's key and every enclosing lane's (leaving a session leaves its
+    channels and sub-sessions too). Keys live under the session's store and
+    its number; a lane's key extends its parent's. The store is dropped when
+    the session closes (``release``), so no handle keeps it, or its port,
+    alive.
+    """
+
+    __slots__ = ("_key", "_parent", "_store", "label", "members")
+
+    def __init__(
+        self,
+        store: dist.Store | None,
+        key: str,
+        members: Collection[int],
+        label: str,
+        parent: LeaveNotices | None = None,
+    ) -> None:
+        self._store = store
+        self._key = key
+        self._parent = parent
+        self.members = frozenset(members)
+        self.label = label
+
+    @classmethod
+    def for_world(cls, world_size: int, label: str) -> LeaveNotices | None:
+        """Notices for a session over the default group it just formed, on the
+        group's store; ``None`` where there is none (or no peer to tell)."""
+        if world_size < 2:
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, KeyError, AttributeError):
+            return None
+        return cls(store, f"asyncdist/left/{next(_world_sessions)}", range(world_size), label)
+
+    def child(self, name: str, members: Collection[int], label: str) -> LeaveNotices:
+        """The notices of a lane inside this one (``name``: its key, unique here)."""
+        return LeaveNotices(None, f"{self._key}/{name}", members, label, self)
+
+    def _root_store(self) -> dist.Store | None:
+        notices: LeaveNotices | None = self
+        while notices is not None and notices._parent is not None:
+            notices = notices._parent
+        return None if notices is None else notices._store
+
+    def post(self, rank: int, *, finished: bool) -> None:
+        """Tell this lane's peers that ``rank`` leaves it now (bounded)."""
+        store = self._root_store()
+        if store is None:
+            return
+        entry = f"{rank}:{'finished' if finished else 'raised'},"
+        # Store.append is missing from torch's stubs, not from torch
+        _bounded(lambda: store.append(self._key, entry))  # type: ignore[attr-defined]
+
+    def departure(self, rank: int, number: int) -> Departure | None:
+        """The first peer of this lane that left it (or an enclosing lane) on
+        purpose, as seen by ``rank`` waiting in the lane's ``number``-th
+        collective; ``None`` if none did, or the store cannot tell in time."""
+        store = self._root_store()
+        if store is None:
+            return None
+        lanes: list[LeaveNotices] = []
+        notices: LeaveNotices | None = self
+        while notices is not None:
+            lanes.append(notices)
+            notices = notices._parent
+
+        def read() -> Departure | None:
+            for lane in lanes:
+                if not store.check([lane._key]):
+                    continue
+                for entry in store.get(lane._key).decode().split(","):
+                    peer, _, how = entry.partition(":")
+                    if peer.isdigit() and int(peer) != rank and int(peer) in self.members:
+                        finished = how == "finished"
+                        return Departure(int(peer), finished, lane.label, self.label, number)
+            return None
+
+        return _bounded(read)
+
+    def release(self) -> None:
+        """Forget the store (the session closed)."""
+        self._store = None

@@ -117,7 +117,7 @@ def rank_events(rank: int, world_size: int, events: list[dict[str, Any]]) -> lis
 
 
 class Traced(Protocol):
-    """What a traced lane offers :class:`TraceBlock`."""
+    """What a traced lane offers ``TraceBlock``."""
 
     rank: int
     world_size: int

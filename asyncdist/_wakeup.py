@@ -125,7 +125,7 @@ def issuing_as(owner: object, name: str) -> Iterator[None]:
 
 def issuer_key() -> IssuerKey:
     """Who is issuing, cheaply: ``(thread, task)`` ids (task 0 outside any
-    task), or ``(-1, owner)`` inside :func:`issuing_as`."""
+    task), or ``(-1, owner)`` inside ``issuing_as``."""
     override = _ISSUING_AS.get()
     if override is not None:
         return (-1, override[0])

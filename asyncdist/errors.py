@@ -9,21 +9,22 @@ Hierarchy::
     ├── CollectiveMismatch   ranks issued different collectives (debug mode)
     └── CollectiveError      a launched collective did not complete
         ├── CollectiveTimeout   ... because a peer stayed silent (also a TimeoutError)
-        └── PeerFailure         ... because a peer died or closed its connection
+        └── PeerFailure         ... because a peer died, or left the session early
 
 ``AsyncDistError`` derives from ``RuntimeError`` so code written against plain
 ``torch.distributed`` (which raises ``RuntimeError``) keeps catching failures;
 no asyncdist failure ever surfaces as a *bare* ``RuntimeError``.
 
 Errors coming from torch or gloo are translated in exactly one place,
-:func:`translate` (by exception type first, then by message), and chained
+``translate`` (by exception type first, then by message), and chained
 (``raise ... from exc``) so the original message stays visible.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 __all__ = [
     "AsyncDistError",
@@ -90,7 +91,22 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 
 
 class PeerFailure(CollectiveError):
-    """Raised when a peer died or closed its connection during a collective."""
+    """Raised when a peer died or closed its connection during a collective.
+
+    A peer that *left the session* on purpose (its block ended while this
+    rank still waited: the ranks issued different numbers of collectives)
+    is told apart from one that crashed, and the message says which.
+    """
+
+
+class Departure(NamedTuple):
+    """A peer's notice that it left a lane on purpose (see ``translate``)."""
+
+    rank: int  # the peer, by its rank in the session
+    finished: bool  # its block ended normally (else by an exception)
+    left: str  # what it left: "the session", "the sub-session of ranks 0..1", ...
+    lane: str  # where this rank waited: the same, or "channel 'metrics'", ...
+    number: int  # the collective this rank waited in: that lane's n-th, from 1
 
 
 _PEER_GONE_MARKERS = (
@@ -152,15 +168,26 @@ def _classify(exc: BaseException) -> _Kind:
     return "backend"
 
 
-def translate(exc: BaseException, *, op: str, rank: int, timeout: float | None) -> AsyncDistError:
+def translate(
+    exc: BaseException,
+    *,
+    op: str,
+    rank: int,
+    timeout: float | None,
+    left: Callable[[], Departure | None] | None = None,
+) -> AsyncDistError:
     """Map an exception raised by torch/gloo for a collective to an asyncdist error.
 
     The exception's type decides first (``TimeoutError`` and a timed-out
     ``DistNetworkError``/``DistStoreError``/``DistBackendError`` ->
-    :class:`CollectiveTimeout`; ``ConnectionError`` and ``DistNetworkError``
-    -> :class:`PeerFailure`); where the type does not (gloo's plain
-    ``RuntimeError``), its message does. Anything else is a
-    :class:`CollectiveError`.
+    [CollectiveTimeout][asyncdist.errors.CollectiveTimeout]; ``ConnectionError`` and
+    ``DistNetworkError`` -> [PeerFailure][asyncdist.errors.PeerFailure]); where the
+    type does not (gloo's plain ``RuntimeError``), its message does. Anything else is a
+    [CollectiveError][asyncdist.errors.CollectiveError].
+
+    ``left``, asked only when a peer closed its connection, reads whether
+    that peer left the session on purpose (a bounded look-up in the store);
+    the message then says so instead of blaming a crash.
 
     The caller raises the result ``from exc``.  Exceptions that already are
     asyncdist errors are returned unchanged.
@@ -178,6 +205,9 @@ def translate(exc: BaseException, *, op: str, rank: int, timeout: float | None) 
             rank=rank,
         )
     if kind == "peer":
+        departure = None if left is None else left()
+        if departure is not None:
+            return PeerFailure(_left_early(departure, op=op, rank=rank), op=op, rank=rank)
         return PeerFailure(
             f"{op} on rank {rank} failed because a peer died or closed its connection. "
             "Check the logs of the other ranks for the first error.",
@@ -196,4 +226,22 @@ def translate(exc: BaseException, *, op: str, rank: int, timeout: float | None) 
         "passes tensors of the same shape and dtype.",
         op=op,
         rank=rank,
+    )
+
+
+def _left_early(departure: Departure, *, op: str, rank: int) -> str:
+    peer, lane, number = departure.rank, departure.lane, departure.number
+    where = "" if lane == departure.left else f" on {lane}"
+    if departure.finished:
+        return (
+            f"rank {peer} left {departure.left} while this rank ({rank}) still waited in "
+            f"{op} #{number}{where}: the ranks issued different numbers of collectives. "
+            f"#{number} counts the collectives rank {rank} issued on {lane}; check that "
+            "every rank issues as many (uneven data, or a loop or an early return that "
+            "differs by rank)."
+        )
+    return (
+        f"rank {peer} left {departure.left} by an exception while this rank ({rank}) "
+        f"still waited in {op} #{number}{where}. Check rank {peer}'s log: that exception "
+        "is the first error."
     )

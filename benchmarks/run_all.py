@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -28,6 +29,8 @@ import fusion  # noqa: E402
 import latency  # noqa: E402
 import loop_stall  # noqa: E402
 import overlap  # noqa: E402
+
+from asyncdist.__main__ import add_bench_arguments  # noqa: E402  (the options, defined once)
 
 SUITE = {
     "latency": (latency.main, ["--reps", "300"], ["--reps", "60", "--max-mib", "16"]),
@@ -116,20 +119,74 @@ def plot() -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
+    ddp = _common.RESULTS / "ddp.json"
+    if ddp.exists() and "breakdown" in json.loads(ddp.read_text())["ranks"][0]:
+        written.append(plot_ddp(plt, json.loads(ddp.read_text())))
     return written
+
+
+def plot_ddp(plt: Any, data: dict[str, Any]) -> Path:
+    """Rank 0's step-time breakdown per arm: backward, exposed communication
+    and optimizer stacked (their sum is the step), communication alone beside."""
+    import ddp
+
+    rank0 = data["ranks"][0]
+    arms = [arm for arm in ddp.LABELS if arm in rank0["breakdown"]]
+    ms = 1e3
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    y = list(range(len(arms)))[::-1]
+    left = [0.0] * len(arms)
+    parts = (
+        ("backward", "backward (fwd+bwd)", "tab:orange"),
+        ("exposed_comm", "exposed communication", "tab:blue"),
+        ("optimizer", "optimizer (Adam)", "tab:green"),
+    )
+    for key, label, color in parts:
+        width = [rank0["breakdown"][arm][key] * ms for arm in arms]
+        ax.barh(y, width, left=left, height=0.55, color=color, label=label)
+        left = [a + b for a, b in zip(left, width, strict=True)]
+    comm = [rank0["breakdown"][arm]["communication"] * ms for arm in arms]
+    ax.barh(
+        [v - 0.38 for v in y],
+        comm,
+        height=0.15,
+        color="tab:blue",
+        alpha=0.45,
+        label="communication alone (on the wire)",
+    )
+    for v, arm in zip(y, arms, strict=True):
+        step = rank0["median_s"][arm] * ms
+        ax.text(
+            step + 3,
+            v,
+            f"{step:.0f} ms  ({rank0['ratio_vs_ddp'][arm]:.2f}x DDP)",
+            va="center",
+            fontsize=8,
+        )
+    ax.set_yticks(y, [ddp.LABELS[arm] for arm in arms], fontsize=8)
+    ax.set_xlabel(f"ms per step, rank 0 (medians), {data['rate']} shaped link, 2 ranks")
+    ax.set_xlim(0, max(left) * 1.35)
+    ax.set_title("where a training step's time goes")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2)
+    fig.tight_layout()
+    path = _common.RESULTS / "ddp_breakdown.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SUITE))
-    args = parser.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(SUITE)
+    return run(add_bench_arguments(parser).parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``args.only`` (``--quick``: fewer repetitions); ``asyncdist bench`` calls this."""
     status = {}
-    for name in names:
-        run, full, quick = SUITE[name]
+    for name in args.only:
+        bench, full, quick = SUITE[name]
         print(f"\n== {name}")
-        status[name] = run(quick if args.quick else full)
+        status[name] = bench(quick if args.quick else full)
     for path in plot():
         print(f"wrote {path}")
     failed = [n for n, code in status.items() if code]

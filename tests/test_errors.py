@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from asyncdist import errors
+from asyncdist import DistSession, errors, spawn
+from asyncdist._store import LeaveNotices
 from asyncdist.errors import (
     AsyncDistError,
     CollectiveError,
     CollectiveTimeout,
+    Departure,
     PeerFailure,
     translate,
 )
@@ -114,3 +118,105 @@ def test_translate_a_real_store_timeout() -> None:
     with pytest.raises(dist.DistStoreError) as info:
         store.get("never-set")
     assert type(translate(info.value, op="barrier", rank=0, timeout=None)) is CollectiveTimeout
+
+
+# -- a peer that left on purpose vs one that crashed -----------------------------------
+
+CLOSED = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+
+
+def test_a_peer_that_left_on_purpose_is_named() -> None:
+    left = Departure(1, True, "the session", "the session", 3)
+    error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: left)
+    assert isinstance(error, PeerFailure)
+    assert str(error).startswith(
+        "rank 1 left the session while this rank (0) still waited in allreduce #3: "
+        "the ranks issued different numbers of collectives."
+    )
+    assert "died" not in str(error)
+    on_channel = left._replace(lane="channel 'metrics'")
+    error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: on_channel)
+    assert "still waited in allreduce #3 on channel 'metrics':" in str(error)
+    raised = left._replace(finished=False)
+    error = translate(CLOSED, op="barrier", rank=0, timeout=5, left=lambda: raised)
+    assert "rank 1 left the session by an exception" in str(error)
+    assert "different numbers" not in str(error)
+
+
+def test_without_a_notice_a_closed_connection_is_a_peer_that_died() -> None:
+    error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: None)
+    assert isinstance(error, PeerFailure)
+    assert "a peer died or closed its connection" in str(error)
+
+
+def test_notices_are_read_only_for_a_closed_connection() -> None:
+    def never() -> None:
+        raise AssertionError("read for a timeout")
+
+    error = translate(
+        RuntimeError("Timed out waiting 5000ms"), op="x", rank=0, timeout=5, left=never
+    )
+    assert isinstance(error, CollectiveTimeout)
+
+
+def _fewer_collectives_on_rank_1(session: DistSession, where: str) -> str:
+    lane = session if where == "session" else session.channel("metrics")
+    t = torch.ones(4)
+    lane.allreduce(t).wait()
+    if session.rank == 1:
+        return "left"  # one allreduce fewer: rank 0 waits in its second
+    try:
+        lane.allreduce(t).wait()
+    except PeerFailure as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["session", "channel"])
+def test_a_rank_that_finished_early_is_named_on_the_waiting_rank(where: str) -> None:
+    message, left = spawn(_fewer_collectives_on_rank_1, 2, args=(where,), timeout=20)
+    assert left == "left"
+    expected = "rank 1 left the session while this rank (0) still waited in allreduce #2"
+    assert message.startswith(expected), message
+    assert "the ranks issued different numbers of collectives" in message
+    if where == "channel":
+        assert "#2 on channel 'metrics'" in message
+
+
+def _sub_session_left_by_an_exception(session: DistSession) -> str:
+    try:
+        with session.split(2) as sub:
+            sub.barrier().wait()
+            if session.rank == 1:
+                raise KeyError("rank 1 gives up")
+            sub.allreduce(torch.ones(2)).wait()
+    except KeyError:
+        return "raised"
+    except PeerFailure as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_left_a_sub_session_by_an_exception_is_named() -> None:
+    message, raised = spawn(_sub_session_left_by_an_exception, 2, timeout=20)
+    assert raised == "raised"
+    assert message.startswith(
+        "rank 1 left the sub-session of ranks 0..1 by an exception while this rank (0) "
+        "still waited in allreduce #2."
+    ), message
+
+
+def test_leave_notices_are_bounded_and_namespaced() -> None:
+    store = dist.HashStore()
+    root = LeaveNotices(store, "s0", range(3), "the session")
+    channel = root.child("channel:m", range(3), "channel 'm'")
+    other = LeaveNotices(store, "s1", range(3), "the session")  # the next session
+    assert channel.departure(0, 4) is None
+    root.post(2, finished=True)
+    assert channel.departure(0, 4) == Departure(2, True, "the session", "channel 'm'", 4)
+    assert channel.departure(2, 4) is None, "a rank's own notice is not a peer's"
+    assert other.departure(0, 1) is None
+    root.release()
+    assert channel.departure(0, 4) is None, "released: nothing is read"

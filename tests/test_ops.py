@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -134,3 +135,32 @@ def test_averaged_divides_only_a_summed_mean_where_it_lands() -> None:
     assert t.tolist() == [2.0, 2.0]
     assert _ops.averaged(t, total, 3)().tolist() == [2.0, 2.0]
     assert _ops.averaged(t, mean, 3, here=False)().tolist() == [2.0, 2.0], "not on this rank"
+
+
+@pytest.mark.parametrize(
+    ("collective", "what", "says", "never"),
+    [
+        ("allreduce", "tensor", "reduce that copy", "pass tensor.contiguous()"),
+        ("allreduce_coalesced", "tensors[1]", "reduce that copy", "pass"),
+        ("broadcast", "tensor", "broadcast that copy", "reduce"),
+        ("recv", "tensor", "receive into that copy", "reduce"),
+        ("scatter", "out", "scatter into that copy", "reduce"),
+        ("scatter", "chunks[0]", "pass chunks[0].contiguous()", "reduce"),
+        ("all_gather", "tensor", "pass tensor.contiguous()", "reduce"),
+        ("gather", "tensor", "pass tensor.contiguous()", "reduce"),
+        ("send", "tensor", "pass tensor.contiguous()", "reduce"),
+        ("all_to_all", "inputs[0]", "pass inputs[0].contiguous()", "reduce"),
+        ("reduce_scatter", "tensor", "pass tensor.contiguous()", "write back"),
+    ],
+)
+def test_non_contiguous_message_is_worded_per_op(
+    collective: str, what: str, says: str, never: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=rf"^{collective}: {re.escape(what)} is not contiguous"
+    ) as info:
+        _ops.check_tensor(
+            torch.ones(2, 3).t(), collective=collective, backend="gloo", device=CPU, what=what
+        )
+    assert says in str(info.value)
+    assert never not in str(info.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -197,3 +198,52 @@ def _raises_unrebuildable(session: DistSession) -> None:
 def test_exception_that_cannot_be_unpickled_is_a_clear_error_naming_the_rank() -> None:
     with pytest.raises(AsyncDistError, match="rank 0's message could not be unpickled"):
         spawn(_raises_unrebuildable, 2)
+
+
+def test_lambda_is_refused_before_any_process_starts() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="define fn at module level") as info:
+        spawn(lambda session: session.rank, 2)
+    assert "<lambda>" in str(info.value)
+    assert time.monotonic() - t0 < 1.0, "nothing was started"
+
+    def nested(session: DistSession) -> int:
+        return session.rank
+
+    with pytest.raises(TypeError, match="not a lambda or a function nested"):
+        spawn(nested, 2)
+
+
+def _aborts(session: DistSession) -> None:
+    import resource
+
+    if session.rank == 0:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        os.abort()
+    session.allreduce(torch.ones(4)).wait()
+
+
+def test_sigabrt_points_at_mismatched_collectives_and_debug_mode() -> None:
+    with pytest.raises(PeerFailure, match="rank 0 exited with code -6") as info:
+        spawn(_aborts, 2, timeout=20)
+    message = str(info.value)
+    assert "SIGABRT" in message
+    assert "how gloo reports mismatched collectives" in message
+    assert "debug=True" in message
+    assert "ASYNCDIST_DEBUG=1" in message
+
+
+def _fails_while_the_other_computes(session: DistSession, stamp: str) -> None:
+    if session.rank == 1:
+        Path(stamp).write_text(repr(time.time()))
+        raise KeyError("rank 1 fails on its own")
+    time.sleep(40)  # not in a collective: nothing tells this rank
+
+
+def test_an_own_failure_is_raised_at_once(tmp_path: Path) -> None:
+    stamp = str(tmp_path / "failed_at")
+    with pytest.raises(KeyError, match="rank 1 fails on its own"):
+        spawn(_fails_while_the_other_computes, 2, args=(stamp,), timeout=20)
+    delay = time.time() - float(Path(stamp).read_text())
+    # the others' grace (3 s) plus reaping; it was 10 s
+    assert delay < 5.0, f"spawn raised {delay:.1f} s after the failure"

@@ -5,7 +5,7 @@ Code written against that helper keeps working after changing its import::
     from asyncdist.compat import get_rank, get_world_size, allreduce, dist_mode
 
 with the helper's bugs fixed: no hard-coded port and no lasting ``os.environ``
-writes (only the scoped one of :func:`asyncdist._env.gloo_on_loopback`);
+writes (only the scoped one of ``asyncdist._env.gloo_on_loopback``);
 ``get_rank``/``get_world_size`` answer 0/1 outside any group instead of
 hiding failures; ``dist_init`` works without CUDA and never computes
 ``rank % device_count``; ``dist_mode`` keeps the return value, finalizes on
@@ -15,9 +15,9 @@ error and wraps ``async def`` functions; ``async_op=True`` returns a handle
 Here, as in v0.1, ``allreduce`` is ``torch.distributed.all_reduce`` (a sum by
 default). DI-engine's later releases, the ones ``pip install di-engine``
 gives, changed it to a mean and added names: they are
-:mod:`asyncdist.compat.ding`.
+[asyncdist.compat.ding][asyncdist.compat.ding].
 
-Collectives run through a :class:`~asyncdist.DistSession`: the one
+Collectives run through a [DistSession][asyncdist.DistSession]: the one
 ``dist_init`` opened, or one adopting a default group initialised elsewhere.
 """
 
@@ -70,7 +70,7 @@ def allreduce(
     """Reduce ``tensor`` in place across ``group`` (default: every rank).
 
     ``op`` is a ``torch.distributed.ReduceOp`` (default ``SUM``) or an
-    asyncdist name (``"mean"``...). Returns a :class:`~asyncdist.Handle` if
+    asyncdist name (``"mean"``...). Returns a [Handle][asyncdist.Handle] if
     ``async_op``, else ``None`` after the reduction completed.
     """
     target = _shared.session_for(group, "allreduce")
@@ -106,7 +106,7 @@ def _init() -> None:
 
 
 def dist_mode(func: F) -> F:
-    """Decorate ``func`` to run between :func:`dist_init` and :func:`dist_finalize`.
+    """Decorate ``func`` to run between ``dist_init`` and ``dist_finalize``.
 
     The wrapper returns ``func``'s value, finalizes even when ``func`` raises,
     and works on ``async def`` functions.
@@ -115,10 +115,10 @@ def dist_mode(func: F) -> F:
 
 
 class DistContext(_shared.Context):
-    """``with DistContext() as session:``: :func:`dist_init` on entry,
-    :func:`dist_finalize` on exit, however the block ends.
+    """``with DistContext() as session:``: ``dist_init`` on entry,
+    ``dist_finalize`` on exit, however the block ends.
 
-    Entering returns the :class:`~asyncdist.DistSession` (the helper's
-    returned ``None``). The arguments, all optional, are :func:`dist_init`'s,
+    Entering returns the [DistSession][asyncdist.DistSession] (the helper's
+    returned ``None``). The arguments, all optional, are ``dist_init``'s,
     plus the session ``timeout`` (seconds or a ``timedelta``).
     """

@@ -2,13 +2,14 @@
 and the names whose meaning never changed.
 
 The helper was a set of module-level functions over torch's default group.
-Here they run through one :class:`~asyncdist.DistSession` per process: the one
+Here they run through one [DistSession][asyncdist.DistSession] per process: the one
 ``dist_init`` opened, or one adopting a default group initialised elsewhere.
-Both :mod:`asyncdist.compat` (v0.1) and :mod:`asyncdist.compat.ding` (later
-releases) use this state, so code mixing the two sees one session.
+Both [asyncdist.compat][asyncdist.compat] (v0.1) and
+[asyncdist.compat.ding][asyncdist.compat.ding] (later releases) use this state, so
+code mixing the two sees one session.
 
 Every collective compat issues counts as one issuer
-(:func:`asyncdist._wakeup.issuing_as`): the helper's API is a single ordered
+(``asyncdist._wakeup.issuing_as``): the helper's API is a single ordered
 lane, as torch's default group is, and DI-engine issues on it from autograd
 hooks (on autograd's threads on CUDA) as well as from the training loop.
 """
@@ -160,7 +161,7 @@ def group_rank(target: DistSession, global_rank: Any, op: str, what: str) -> int
 
 
 def track(handle: Handle[T]) -> Handle[T]:
-    """Remember an async op's handle until :func:`wait_pending` waits for it."""
+    """Remember an async op's handle until ``wait_pending`` waits for it."""
     with _pending_lock:
         _pending[:] = [h for h in _pending if not h.done()]
         _pending.append(handle)
@@ -274,8 +275,8 @@ def dist_mode(init: Callable[[], object]) -> Callable[[F], F]:
 
 
 class Context:
-    """``with Context(...) as session:``: :func:`open_session` on entry,
-    :func:`dist_finalize` on exit (however the block ends)."""
+    """``with Context(...) as session:``: ``open_session`` on entry,
+    ``dist_finalize`` on exit (however the block ends)."""
 
     _default_timeout: float | datetime.timedelta | None = None
 
@@ -311,7 +312,7 @@ def broadcast(
 ) -> Handle[torch.Tensor] | None:
     """Broadcast ``tensor`` from global rank ``src`` to every rank of ``group``.
 
-    Returns a :class:`~asyncdist.Handle` if ``async_op``, else ``None`` after
+    Returns a [Handle][asyncdist.Handle] if ``async_op``, else ``None`` after
     the broadcast completed.
     """
     target = session_for(group, "broadcast")
@@ -330,7 +331,7 @@ def allgather(
     """Gather ``tensor`` from every rank of ``group`` into ``tensor_list``
     (``torch.distributed.all_gather``): element ``j`` receives rank ``j``'s.
 
-    Returns a :class:`~asyncdist.Handle` (result: ``tensor_list``, filled)
+    Returns a [Handle][asyncdist.Handle] (result: ``tensor_list``, filled)
     if ``async_op``, else ``None`` once ``tensor_list`` is filled.
 
     Raises:

@@ -3,7 +3,7 @@
 
 After v0.1.0 the helper changed one meaning and grew names:
 ``allreduce(x)`` takes one tensor and leaves the **mean** (the sum divided by
-the world size), where v0.1's (:func:`asyncdist.compat.allreduce`) was
+the world size), where v0.1's ([asyncdist.compat.allreduce][asyncdist.compat.allreduce]) was
 ``torch.distributed.all_reduce``, a sum. ``allreduce_async``,
 ``synchronize`` (v0.2), ``allreduce_data``, ``reduce_data``,
 ``broadcast_object_list``, ``to_ddp_config`` (v0.4.9) and
@@ -11,13 +11,13 @@ the world size), where v0.1's (:func:`asyncdist.compat.allreduce`) was
 renamed ``DDPContext`` (v0.4.9, both names are here); ``dist_init`` takes a
 ``timeout`` (after v0.5.3).
 
-The helper's bugs are fixed here the way :mod:`asyncdist.compat` fixes
+The helper's bugs are fixed here the way [asyncdist.compat][asyncdist.compat] fixes
 v0.1's, and these:
 
 * ``allreduce_async(name, x)`` dropped its work handle and ``synchronize``
   was ``torch.cuda.synchronize``, which on CPU waits for nothing: a race.
-  Here it returns the :class:`~asyncdist.Handle` and remembers it;
-  :func:`synchronize` waits for every async op launched through compat, on
+  Here it returns the [Handle][asyncdist.Handle] and remembers it;
+  ``synchronize`` waits for every async op launched through compat, on
   CPU and GPU alike.
 * ``allreduce_data``/``reduce_data`` moved numbers to ``.cuda()``; here they
   go to the session's device. ``allreduce_data(n, "avg")`` of an ``int``
@@ -29,7 +29,7 @@ v0.1's, and these:
 * Bad input (a wrong type, an op other than ``"sum"``/``"avg"``, an integer
   tensor to average) raises on the calling rank before anything is launched.
 
-To run DI-engine itself on asyncdist without editing it, see :func:`install`.
+To run DI-engine itself on asyncdist without editing it, see ``install``.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def allreduce_async(name: str, x: torch.Tensor) -> Handle[torch.Tensor]:
     """Start averaging ``x`` in place over every rank; return its handle.
 
     ``name`` (the parameter's name in DI-engine) only labels the call. The
-    handle is also remembered: :func:`synchronize` waits for it, so the
+    handle is also remembered: ``synchronize`` waits for it, so the
     helper's pattern (launch from gradient hooks, then ``synchronize()``)
     is race-free. ``x`` holds the mean once the handle (or ``synchronize``)
     has been waited for.
@@ -315,7 +315,7 @@ def _init() -> None:
 
 
 def dist_mode(func: F) -> F:
-    """Decorate ``func`` to run between :func:`dist_init` and :func:`dist_finalize`.
+    """Decorate ``func`` to run between ``dist_init`` and ``dist_finalize``.
 
     The wrapper returns ``func``'s value, finalizes even when ``func`` raises,
     and works on ``async def`` functions.
@@ -324,20 +324,20 @@ def dist_mode(func: F) -> F:
 
 
 class DDPContext(_shared.Context):
-    """``with DDPContext() as session:``: :func:`dist_init` on entry,
-    :func:`dist_finalize` on exit, however the block ends.
+    """``with DDPContext() as session:``: ``dist_init`` on entry,
+    ``dist_finalize`` on exit, however the block ends.
 
-    Entering returns the :class:`~asyncdist.DistSession` (the helper's
-    returned ``None``). The arguments, all optional, are :func:`dist_init`'s.
+    Entering returns the [DistSession][asyncdist.DistSession] (the helper's
+    returned ``None``). The arguments, all optional, are ``dist_init``'s.
     """
 
     _default_timeout = DEFAULT_TIMEOUT
 
 
 class DistContext(DDPContext):
-    """:class:`DDPContext` under the name it had from v0.2 to v0.4.8.
+    """``DDPContext`` under the name it had from v0.2 to v0.4.8.
 
-    A class of its own, so that :func:`install` can tell the two names apart.
+    A class of its own, so that ``install`` can tell the two names apart.
     """
 
 
@@ -424,7 +424,7 @@ HELPER_NAMES = (
     "synchronize",
     "to_ddp_config",
 )
-"""The helper's names :func:`install` replaces (its ``error_wrapper`` is
+"""The helper's names ``install`` replaces (its ``error_wrapper`` is
 DI-engine's general utility and stays)."""
 
 
@@ -451,9 +451,9 @@ def _rebind(packages: tuple[str, ...], swaps: dict[int, tuple[Any, Any]]) -> int
 
 
 class Installation:
-    """DI-engine's helper names rebound to asyncdist's, until :meth:`undo`.
+    """DI-engine's helper names rebound to asyncdist's, until ``undo``.
 
-    Returned by :func:`install`; also a context manager that undoes on exit.
+    Returned by ``install``; also a context manager that undoes on exit.
     """
 
     __slots__ = ("_active", "_packages", "_swaps", "rebound")
@@ -463,16 +463,16 @@ class Installation:
         self._swaps = swaps
         self._active = True
         self.rebound = 0
-        """How many module attributes :func:`install` rebound."""
+        """How many module attributes ``install`` rebound."""
 
     @property
     def active(self) -> bool:
-        """True until :meth:`undo`."""
+        """True until ``undo``."""
         return self._active
 
     def undo(self) -> None:
         """Bind DI-engine's own helper back wherever asyncdist's is bound in
-        ``packages``, including modules imported since :func:`install`.
+        ``packages``, including modules imported since ``install``.
         Idempotent."""
         global _installed
         if not self._active:
@@ -510,13 +510,13 @@ def install(packages: Iterable[str] = ("ding",)) -> Installation:
     enough. ``install`` imports ``ding.utils``, then in every module already
     imported from ``packages`` (default ``("ding",)``; add e.g. ``"lzero"``
     or ``"__main__"`` for code of your own that imported the names) binds
-    each attribute that *is* one of the helper's :data:`HELPER_NAMES` objects
+    each attribute that *is* one of the helper's ``HELPER_NAMES`` objects
     to this module's namesake, under whatever name it was imported.
     ``ding.utils`` and the helper module themselves are rebound, so modules
     imported later get asyncdist's names too.
 
     Call it before DI-engine calls ``dist_init``/enters ``DDPContext``;
-    ``with install():`` or :meth:`Installation.undo` (or :func:`uninstall`)
+    ``with install():`` or ``Installation.undo`` (or ``uninstall``)
     puts DI-engine's own helper back. Code calling ``torch.cuda`` directly
     (``ddp_termination_checker``'s ``.cuda()``, ``learner_hook``'s
     ``torch.cuda.current_device()``) still needs CUDA.
@@ -555,6 +555,6 @@ def install(packages: Iterable[str] = ("ding",)) -> Installation:
 
 
 def uninstall() -> None:
-    """Undo the active :func:`install`, if any. Idempotent."""
+    """Undo the active ``install``, if any. Idempotent."""
     if _installed is not None:
         _installed.undo()
