@@ -12,13 +12,13 @@ How completion is observed, by kind of work:
   ``wait()`` blocks in torch's own ``work.wait()`` with the GIL released,
   exactly like raw torch code; ``await`` hooks the future's done-callback,
   which runs on a gloo worker thread and wakes the loop through
-  :mod:`._wakeup` without blocking; ``done()`` asks ``work.is_completed()``.
+  ``._wakeup`` without blocking; ``done()`` asks ``work.is_completed()``.
 * works gloo gives no future (``reduce_scatter``, ``send``/``recv``) and
-  multi-step ops (object collectives): a :class:`Completer` thread per
+  multi-step ops (object collectives): a ``Completer`` thread per
   ordering key runs them in issue order. One thread serves every handle of
   that key; none is parked per handle.
 
-The session's :class:`Watchdog` thread looks at outstanding handles about once
+The session's ``Watchdog`` thread looks at outstanding handles about once
 a second: it settles finished ones nobody looked at (so a handle completes
 without being awaited, and a failure breaks the session) and declares lost
 those that made no progress within the timeout.
@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from . import _wakeup
-from .errors import AsyncDistError, CollectiveTimeout, translate
+from .errors import AsyncDistError, CollectiveTimeout, Departure, translate
+
+if TYPE_CHECKING:
+    from ._store import LeaveNotices
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -77,10 +81,17 @@ class Health:
         if isinstance(error, AsyncDistError):
             self.fault_seen = True
 
-    def fail(self, exc: BaseException, *, op: str) -> AsyncDistError:
+    def fail(
+        self,
+        exc: BaseException,
+        *,
+        op: str,
+        left: Callable[[], Departure | None] | None = None,
+    ) -> AsyncDistError:
         """Translate a backend error raised straight to the caller, break the
-        session with it and mark it seen; the caller raises the result."""
-        error = translate(exc, op=op, rank=self.rank, timeout=self.timeout)
+        session with it and mark it seen; the caller raises the result.
+        ``left``: see ``translate``."""
+        error = translate(exc, op=op, rank=self.rank, timeout=self.timeout, left=left)
         if error is not exc:
             error.__cause__ = exc
         self.break_(error)
@@ -268,7 +279,7 @@ class Handle(Generic[T_co]):
     The collective is already running when you hold its handle.  Await it
     (``await h``, on asyncio or trio) or call ``h.wait()`` to get its result;
     both can be repeated and mixed.  There is no public constructor: handles
-    come from :class:`~asyncdist.DistSession` methods and :func:`wait_all`.
+    come from [DistSession][asyncdist.DistSession] methods and [wait_all][asyncdist.wait_all].
     """
 
     __slots__ = (
@@ -276,7 +287,9 @@ class Handle(Generic[T_co]):
         "_finish",
         "_health",
         "_hooked",
+        "_lane",
         "_launched",
+        "_number",
         "_observed",
         "_op",
         "_streamed",
@@ -292,15 +305,27 @@ class Handle(Generic[T_co]):
     _hooked: bool
     _observed: bool  # someone got the result or the error from this handle
     _streamed: bool  # NCCL: completion is stream-ordered, torch's wait() never blocks the host
+    _lane: LeaveNotices | None  # where to read that a peer left on purpose
+    _number: int  # this collective is its lane's n-th (from 1)
 
     def __init__(self) -> None:
         raise TypeError("Handle has no public constructor; DistSession methods return handles")
 
     @classmethod
-    def _create(cls, op: str, health: Health | None, finish: Callable[[], Any]) -> Handle[Any]:
-        """A handle for a collective about to be issued; :meth:`_attach` gives
-        it the work once torch accepted it."""
+    def _create(
+        cls,
+        op: str,
+        health: Health | None,
+        finish: Callable[[], Any],
+        lane: LeaveNotices | None = None,
+        number: int = 0,
+    ) -> Handle[Any]:
+        """A handle for a collective about to be issued; ``_attach`` gives
+        it the work once torch accepted it. ``lane``/``number``: which of its
+        lane's collectives it is, for the message when a peer left the lane."""
         self = object.__new__(cls)
+        self._lane = lane
+        self._number = number
         self._op = op
         self._completion = _Completion()
         self._health = health
@@ -321,6 +346,26 @@ class Handle(Generic[T_co]):
         self._work = work
         if hook:
             self._hook()
+
+    def _release(self, fault: BaseException | None) -> None:
+        """Let go of the torch work: its session closed and destroyed the group.
+
+        A work keeps its group's transport alive (gloo: the context, its
+        sockets and its I/O thread). A handle the program still holds, or one
+        kept by a reference cycle (a fault's traceback reaches the frames that
+        hold it), must not keep that past the session. A handle still pending
+        in a broken session is lost with it: it fails with the session's
+        ``fault``. NCCL handles, and pending ones of a healthy session (none
+        after a drain), keep their work.
+        """
+        if self._streamed or self._work is None:
+            return
+        if not self.done():
+            if fault is None:
+                return
+            if self._completion.claim():
+                self._completion.set_error(fault)
+        self._work = None
 
     def _fail(self, error: BaseException) -> None:
         """Settle with ``error`` before anything was launched (a local error)."""
@@ -383,9 +428,14 @@ class Handle(Generic[T_co]):
         try:
             check()
         except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
-            error = translate(exc, op=self._op, rank=health.rank, timeout=health.timeout)
+            error = translate(
+                exc, op=self._op, rank=health.rank, timeout=health.timeout, left=self._left()
+            )
             if error is not exc:
-                error.__cause__ = exc
+                # The backend's traceback is this frame and, through it, its
+                # callers' (with their works and groups): the session keeps its
+                # fault, and must not keep those alive past its end.
+                error.__cause__ = exc.with_traceback(None)
             health.break_(error)
             completion.set_error(error)
             return
@@ -396,6 +446,13 @@ class Handle(Generic[T_co]):
             completion.set_error(exc)  # the collective itself went fine: no fault
         else:
             completion.set_result(value)
+
+    def _left(self) -> Callable[[], Departure | None] | None:
+        """How to read whether a peer left this handle's lane on purpose."""
+        lane, health = self._lane, self._health
+        if lane is None or health is None:
+            return None
+        return functools.partial(lane.departure, health.rank, self._number)
 
     def _budget(self) -> float:
         """Seconds left before the watchdog declares this handle lost."""
@@ -434,11 +491,13 @@ class Handle(Generic[T_co]):
                 and can be waited on again.
             CollectiveTimeout, PeerFailure, CollectiveError: the collective failed.
         """
-        completion, work = self._completion, self._work
+        # No local for the work: a raised error's traceback keeps this frame,
+        # which would keep the work (and its group's transport) alive.
+        completion = self._completion
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not completion.done() and work is not None:
+        if not completion.done() and self._work is not None:
             if self._streamed:
-                self._settle(work.wait)  # NCCL: a stream dependency, the host goes on
+                self._settle(self._work.wait)  # NCCL: a stream dependency, the host goes on
             else:
                 self._block(deadline)
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -489,7 +548,7 @@ class Handle(Generic[T_co]):
             return
 
     def synchronize(self) -> T_co:
-        """Like :meth:`wait`, and for CUDA work also block the host until the
+        """Like [wait][asyncdist.Handle.wait], and for CUDA work also block the host until the
         device has finished it (not only ordered the current stream after it)."""
         result = self.wait()
         if self._streamed:
@@ -504,7 +563,7 @@ class Handle(Generic[T_co]):
         return self._result()
 
     async def _join_async(self) -> BaseException | None:
-        """:meth:`_join` for an async exit: waits on the loop, never raises."""
+        """``_join`` for an async exit: waits on the loop, never raises."""
         if not self.done():
             self._hook()
             completion = self._completion
@@ -528,7 +587,7 @@ class Handle(Generic[T_co]):
 
 
 class _AllHandle(Handle[list[Any]]):
-    """The handle :func:`wait_all` returns: done when every part is."""
+    """The handle [wait_all][asyncdist.wait_all] returns: done when every part is."""
 
     __slots__ = ("_combine", "_parts")
 

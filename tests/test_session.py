@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -305,3 +308,94 @@ def test_init_error_when_a_rank_never_joins() -> None:
         session.__enter__()
     assert time.monotonic() - t0 < 2 + 5
     assert not dist.is_initialized()
+
+
+_RANK1 = """
+import sys, torch
+from asyncdist import DistSession
+with DistSession(rank=1, world_size=2, master_addr="127.0.0.1", master_port=int(sys.argv[1]),
+                 timeout=20) as s:
+    s.allreduce(torch.ones(2)).wait()
+"""
+
+
+def test_a_failed_entry_leaves_later_sessions_able_to_form() -> None:
+    """A failure inside torch's ``init_process_group`` (here: no rank 1) used to
+    leave torch's group-name counter advanced: this rank's next group was then
+    named "1" while a fresh peer's was "0", and the two waited for each other's
+    keys until the timeout (found by tests/test_netfaults.py, partition at entry)."""
+    failed = DistSession(
+        rank=0, world_size=2, master_addr="127.0.0.1", master_port=free_port(), timeout=1
+    )
+    with pytest.raises(InitError):
+        failed.__enter__()
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", _RANK1, str(port)])
+    try:
+        t = torch.ones(2)
+        with DistSession(
+            rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=20
+        ) as s:
+            s.allreduce(t).wait()
+        assert t.tolist() == [2.0, 2.0]
+        assert peer.wait(30) == 0
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        peer.wait()
+
+
+_SILENT_RANK1 = """
+import sys, time, torch
+from asyncdist import DistSession
+print("imported", flush=True)
+with DistSession(rank=1, world_size=2, master_addr="127.0.0.1", master_port=int(sys.argv[1]),
+                 timeout=30) as s:
+    s.allreduce(torch.ones(2)).wait()
+    time.sleep(10)
+"""
+
+
+def _gloo_threads() -> list[str]:
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # ended meanwhile
+            pass
+    return [name for name in names if "gloo" in name]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_a_fault_keeps_no_gloo_thread_past_the_session() -> None:
+    """After a timeout the program still holds the handles and the error (whose
+    traceback reaches their frames); leaving must still end gloo's I/O threads
+    at once, not at the next garbage collection (found by tests/test_netfaults.py)."""
+    port = free_port()
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _SILENT_RANK1, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    assert peer.stdout is not None
+    peer.stdout.readline()  # torch imported: it joins well within our 2 s
+    gc.disable()  # only references count, as between two collections
+    try:
+        with (
+            pytest.raises(CollectiveTimeout),
+            DistSession(
+                rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=2
+            ) as s,
+        ):
+            s.allreduce(torch.ones(2)).wait()
+            handles = [
+                s.allreduce(torch.ones(2)),
+                s.allreduce(torch.ones(1 << 20)),
+                s.broadcast(torch.ones(3), src=1),
+            ]
+            for handle in handles:
+                handle.wait()
+        assert len(handles) == 3  # still held
+        assert not _gloo_threads()
+    finally:
+        gc.enable()
+        peer.kill()
+        peer.communicate()  # reaps it and closes the pipe

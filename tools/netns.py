@@ -2,7 +2,9 @@
 optionally shaped with ``tc qdisc ... tbf`` (netem is not available here).
 
 Needs root, ``ip`` and ``tc``; :func:`missing` says what is absent. The
-addresses live only inside the namespaces this process creates.
+addresses live only inside the namespaces this process creates, and so do the
+faults :class:`TwoHosts` injects (link down, black holes with ``nft``, a
+reshaped link): deleting the namespaces on exit removes every one of them.
 """
 
 from __future__ import annotations
@@ -24,8 +26,20 @@ def missing() -> str | None:
     return None
 
 
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, text=True)
+def missing_firewall() -> str | None:
+    """Why black holes cannot be made here (no ``nft``), or None if they can."""
+    if shutil.which("nft") is None:
+        return "needs the 'nft' command (apt-get install nftables)"
+    return None
+
+
+def _sh(*args: str, stdin: str | None = None) -> None:
+    done = subprocess.run(args, input=stdin, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+
+
+_FAULT_TABLE = "asyncdist_fault"
 
 
 class TwoHosts:
@@ -85,6 +99,59 @@ class TwoHosts:
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+    # -- faults: each takes effect at once; heal() undoes them all --------------------
+
+    def link(self, up: bool) -> None:
+        """Set both ends of the veth pair down (the cable is pulled: no carrier,
+        routes gone, nothing sent and no reset either way) or up again."""
+        for ns, dev in zip(self.ns, self.dev, strict=True):
+            _sh("ip", "-n", ns, "link", "set", dev, "up" if up else "down")
+
+    def drop(self, *, into: tuple[int, ...] = (0, 1)) -> None:
+        """Silently drop every packet arriving at the hosts in ``into`` from
+        the other host: ``(0, 1)`` is a black hole, ``(0,)`` a one-way one
+        (host 1 -> host 0 lost, host 0 -> host 1 still delivered).
+
+        The rule sits in the receiver's input hook, as a firewall on the path
+        would: the sender gets no error (a drop in its own output hook would
+        fail its send with EPERM) and nobody sends a reset.
+        """
+        for host in into:
+            rules = (
+                f"table inet {_FAULT_TABLE} {{\n"
+                "  chain input { type filter hook input priority -300; policy accept;\n"
+                f'    iifname "{self.dev[host]}" drop\n'
+                "  }\n"
+                "}\n"
+            )
+            _sh("ip", "netns", "exec", self.ns[host], "nft", "-f", "-", stdin=rules)
+
+    def shape(self, rate: str, burst: str = "32kb", latency: str = "400ms") -> None:
+        """Replace both ends' root qdisc with a ``tbf`` of ``rate`` (a crawl)."""
+        for ns, dev in zip(self.ns, self.dev, strict=True):
+            _sh(
+                *("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root"),
+                *("tbf", "rate", rate, "burst", burst, "latency", latency),
+            )
+
+    def heal(self) -> None:
+        """Undo every fault: links up, black holes removed, the shaping this
+        object was made with (or none) restored. Fine when nothing was injected."""
+        self.link(up=True)
+        for ns, dev in zip(self.ns, self.dev, strict=True):
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", _FAULT_TABLE],
+                capture_output=True,
+                check=False,
+            )
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                capture_output=True,
+                check=False,
+            )
+        if self.rate is not None:
+            self.shape(self.rate, self.burst, self.latency)
 
     def env(self, host: int, **extra: str) -> dict[str, str]:
         """The environment for a process on ``host``: gloo on its veth."""
