@@ -58,3 +58,10 @@ def multinode(session: nox.Session) -> None:
     """torchrun --nnodes=2 on two network-namespace "hosts", with restarts (needs root)."""
     install(session, "test")
     session.run("python", "-m", "pytest", "tests/test_multinode.py", "-v", *session.posargs)
+
+
+@nox.session
+def slurm(session: nox.Session) -> None:
+    """srun and sbatch on a throwaway two-node SLURM cluster (root, slurm-wlm, munge)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "tests/test_slurm.py", "-v", *session.posargs)

@@ -46,11 +46,12 @@ def test_torchrun_environment() -> None:
     assert env.attempt == 2
 
 
-SLURM = {
+SLURM = {  # a task of `srun` (step 0) in job 123456
     "SLURM_PROCID": "6",
     "SLURM_NTASKS": "8",
     "SLURM_LOCALID": "2",
     "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
     "SLURM_JOB_NODELIST": "gpu[007-008,012],cpu1",
 }
 
@@ -65,6 +66,37 @@ def test_slurm_environment_uses_global_procid() -> None:
     assert env.master_port is not None
     assert 1024 < env.master_port < 65536
     assert detect(SLURM).master_port == env.master_port, "every rank derives the same port"
+
+
+def test_slurm_master_is_the_first_node_of_the_step() -> None:
+    """A step may run on a subset of the job's nodes (`srun -N1 -r1` in a
+    batch script): its rank 0 is on the step's first node, not the job's."""
+    env = detect({**SLURM, "SLURM_STEP_NODELIST": "gpu[008,012]"})
+    assert env.master_addr == "gpu008"
+
+
+def test_slurm_port_is_the_jobs_for_step_0_and_differs_per_step() -> None:
+    step0 = detect(SLURM).master_port
+    assert step0 == 20000 + 123456 % 20000
+    ports = {detect({**SLURM, "SLURM_STEP_ID": str(step)}).master_port for step in range(50)}
+    assert len(ports) == 50, "concurrent steps of one job must not share a port"
+    assert all(p is not None and 20000 <= p < 40000 for p in ports)
+
+
+def test_slurm_batch_script_of_a_multi_task_job_is_refused() -> None:
+    """sbatch runs its script with SLURM_PROCID=0 and the job's SLURM_NTASKS but
+    no step id: a session there would wait for peers nobody starts."""
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"} | {"SLURM_PROCID": "0"}
+    with pytest.raises(InitError, match=r"batch script of SLURM job 123456 .*srun"):
+        detect(batch)
+    assert detect({**batch, "SLURM_NTASKS": "1"}).world_size == 1, "a one-task job is fine"
+    assert detect(batch, rank=0, world_size=1).world_size == 1, "explicit arguments win"
+    assert detect({**batch, "SLURM_STEPID": "0"}).world_size == 8, "the older name counts"
+
+
+def test_slurm_explicit_master_needs_no_node_list() -> None:
+    env = detect({**SLURM, "SLURM_JOB_NODELIST": ""}, master_addr="head")
+    assert env.master_addr == "head"
 
 
 def test_slurm_master_port_and_addr_from_environment_win() -> None:
@@ -106,6 +138,8 @@ def test_explicit_master_is_not_the_agent_store() -> None:
         ("gpu[007-010,12]", "gpu007"),
         ("gpu[3,5-6],cpu[1-2]", "gpu3"),
         ("a-b-c[10-11]", "a-b-c10"),
+        ("node[1-4]-ib,login1", "node1-ib"),
+        ("rack[2-3]-n[05-08]", "rack2-n05"),
     ],
 )
 def test_first_slurm_host(nodelist: str, first: str) -> None:
@@ -236,3 +270,16 @@ def _listening() -> set[tuple[str, int]]:
         for c in psutil.Process().net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN
     }
+
+
+def test_nccl_without_any_gpu_says_so_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncdist import DistSession
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="needs a CUDA device; this machine has none") as info:
+        DistSession(backend="nccl").__enter__()
+    assert "backend='gloo'" in str(info.value)
+    assert "sees" not in str(info.value)
+    with pytest.raises(InitError, match="no CUDA device"):
+        DistSession(device="cuda").__enter__()
