@@ -1,31 +1,40 @@
 """The public collective methods: check the arguments, describe the op, launch it.
 
-:class:`Collectives` is the whole collective surface of a lane. Each method
+``Collectives`` is the whole collective surface of a lane. Each method
 keeps its explicit signature, docstring and ``Handle`` type, checks its
 arguments on the calling rank (raising before anything is launched), builds
-a :class:`~asyncdist._comm.Spec` and hands it to the lane's
-:meth:`~asyncdist._comm.Comm.launch`. Nothing here calls
+a ``Spec`` and hands it to the lane's
+``launch``. Nothing here calls
 ``torch.distributed``; tracing and debug verification happen in the layer,
 alike for every op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import builtins
+import contextlib
+import logging
+from collections.abc import Iterable, MutableMapping, Sequence
+from types import TracebackType
+from typing import Any, TextIO, TypeVar
 
 import torch
 
-from . import _ops, _pickle
+from . import _ops, _pickle, _tree
 from ._comm import Comm, Spec
 from ._debug import describe
 from ._handle import Handle, combined
+from .errors import AsyncDistError, PeerFailure
+
+T = TypeVar("T")
+
+_MAIN_FIRST = "main_first"
 
 
 class Collectives:
     """Every collective, issued at once on this object's lane.
 
-    Subclasses provide :meth:`_lane`, which checks that the lane is usable.
+    Subclasses provide ``_lane``, which checks that the lane is usable.
     """
 
     __slots__ = ()
@@ -42,19 +51,23 @@ class Collectives:
 
     @staticmethod
     def _tensor(comm: Comm, tensor: Any, op: str, what: str = "tensor") -> torch.Tensor:
+        route = comm.route(tensor, collective=op, what=what)
         return _ops.check_tensor(
-            tensor, collective=op, backend=comm.backend, device=comm.device, what=what
+            tensor, collective=op, backend=route.backend, device=route.device, what=what
         )
 
     @staticmethod
     def _tensors(
         comm: Comm, tensors: Any, op: str, what: str, *, per_rank: bool = False
     ) -> list[torch.Tensor]:
+        # the first tensor's route; launching refuses a call that mixes routes
+        first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else None
+        route = comm.route(first, collective=op, what=f"{what}[0]")
         return _ops.tensor_list(
             tensors,
             collective=op,
-            backend=comm.backend,
-            device=comm.device,
+            backend=route.backend,
+            device=route.device,
             what=what,
             length=comm.world_size if per_rank else None,
         )
@@ -65,7 +78,8 @@ class Collectives:
 
     @staticmethod
     def _reduction(comm: Comm, op: Any, tensor: torch.Tensor, name: str) -> _ops.Reduction:
-        return _ops.reduction(op, tensor.dtype, backend=comm.backend, collective=name)
+        backend = comm.route(tensor, collective=name).backend
+        return _ops.reduction(op, tensor.dtype, backend=backend, collective=name)
 
     # -- tensor collectives ----------------------------------------------------------
 
@@ -116,20 +130,41 @@ class Collectives:
         self._rank(comm, src, name, "src")
         return comm.launch(Spec(name, "broadcast", lambda: tensor, inputs=(tensor,), root=src))
 
-    def all_gather(self, tensor: torch.Tensor) -> Handle[list[torch.Tensor]]:
+    def all_gather(
+        self, tensor: torch.Tensor, *, uneven: bool = False
+    ) -> Handle[list[torch.Tensor]]:
         """Gather ``tensor`` from every rank.
+
+        Args:
+            tensor: the same shape and dtype on every rank; with ``uneven``,
+                only the first dimension may differ.
+            uneven: the first dimension differs between ranks (the last batch
+                of an epoch, say): the row counts are exchanged first, then
+                every rank's rows travel padded to the longest and come back
+                trimmed. This takes two steps, which run in program order on
+                the session's object thread and side group, so the call still
+                returns at once. On CUDA the rows are copied to host memory
+                at the call (the side group is gloo) and back to the device
+                in the result. Every rank must pass the same ``uneven``.
 
         Returns:
             A handle whose result is a list with one tensor per rank (element
-            ``j`` came from rank ``j``); they are views of one buffer.
+            ``j`` came from rank ``j``); they are views of one buffer. With
+            ``uneven``, element ``j`` has rank ``j``'s number of rows.
 
         Raises:
             TypeError, ValueError: bad tensor (it must have the same shape and
-                dtype on every rank).
+                dtype on every rank), or a 0-d tensor with ``uneven``.
+            ValueError: (from the handle, on every rank, with ``uneven``) the
+                ranks' tensors differ beyond the first dimension.
         """
         name = "all_gather"
         comm = self._lane(name)
         self._tensor(comm, tensor, name)
+        if not isinstance(uneven, bool):
+            raise TypeError(f"{name}: uneven must be a bool, not {type(uneven).__name__}")
+        if uneven:
+            return self._all_gather_uneven(comm, tensor, name)
         world, shape = comm.world_size, tensor.shape
         out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         return comm.launch(
@@ -140,6 +175,37 @@ class Collectives:
                 inputs=(tensor.reshape(-1),),
                 outputs=(out,),
                 shown=(tensor,),
+            )
+        )
+
+    @staticmethod
+    def _all_gather_uneven(
+        comm: Comm, tensor: torch.Tensor, name: str
+    ) -> Handle[list[torch.Tensor]]:
+        if tensor.dim() == 0:
+            raise ValueError(
+                f"{name}: uneven=True gathers along the first dimension, which a 0-d tensor "
+                "lacks; pass tensor.reshape(1)"
+            )
+        if tensor.dtype not in _ops.GLOO_DTYPES:  # the side group is gloo
+            raise ValueError(f"{name}: uneven=True cannot carry dtype {tensor.dtype}")
+        device = tensor.device
+        staged = tensor if device.type == "cpu" else tensor.cpu()
+
+        def finish(received: tuple[list[torch.Tensor], str]) -> list[torch.Tensor]:
+            rows, problem = received
+            if problem:
+                raise ValueError(problem)
+            return rows if device.type == "cpu" else [r.to(device) for r in rows]
+
+        return comm.launch(
+            Spec(
+                name,
+                "all_gather_rows",
+                finish,
+                inputs=(staged,),
+                # what every rank agrees on (debug mode): dtype and the other dimensions
+                shown=(tensor.narrow(0, 0, 0),),
             )
         )
 
@@ -200,7 +266,7 @@ class Collectives:
         name = "all_to_all"
         comm = self._lane(name)
         chunks = self._tensors(comm, inputs, name, "inputs", per_rank=True)
-        if comm.backend == "gloo":
+        if comm.route(chunks[0], collective=name).backend == "gloo":
             kinds = {describe(t) for t in chunks}
             if len(kinds) > 1:
                 raise ValueError(
@@ -358,6 +424,15 @@ class Collectives:
         comm = self._lane(name)
         items = self._tensors(comm, tensors, name, "tensors")
         _ops.reduction_name(op, collective=name)  # a bad op fails even for an empty list
+        parts = self._coalesced(comm, items, op, name)
+        result = tensors if isinstance(tensors, list) else items
+        return combined(name, parts, lambda _: result)
+
+    def _coalesced(
+        self, comm: Comm, items: list[torch.Tensor], op: _ops.ReduceOpLike, name: str
+    ) -> list[Handle[None]]:
+        """Launch one allreduce per dtype of ``items`` (checked), each over a
+        flat buffer that is copied back into the tensors on completion."""
         groups = _ops.by_dtype(items)
         reductions = [self._reduction(comm, op, group[0], name) for group in groups.values()]
         parts = []
@@ -372,8 +447,58 @@ class Collectives:
                 name, "allreduce", unpack, inputs=(_ops.wire(flat),), reduce=reduction, shown=group
             )
             parts.append(comm.launch(spec))
-        result = tensors if isinstance(tensors, list) else items
-        return combined(name, parts, lambda _: result)
+        return parts
+
+    def allreduce_tree(self, tree: T, op: _ops.ReduceOpLike = "sum") -> Handle[T]:
+        """Reduce a nested structure of tensors and Python numbers (metrics,
+        say) with one collective per dtype.
+
+        ``tree`` nests dicts (any mapping), lists and tuples (named tuples
+        too) around leaves that are tensors, ``int`` or ``float``. Tensors
+        are reduced in place, as by
+        [allreduce_coalesced][asyncdist.DistSession.allreduce_coalesced];
+        numbers travel in the same buffers (floats as float64, ints as
+        int64, or float64 for ``"mean"``) and come back as numbers: an
+        ``int`` stays an ``int`` except under ``"mean"``, which gives a
+        ``float``. Every rank must pass the same structure.
+
+        Returns:
+            A handle whose result is a new structure of the same shape and
+            container types, holding the reduced tensors and numbers.
+
+        Raises:
+            TypeError: a leaf that is neither a tensor nor a number (a
+                ``bool`` included), or a bad op; the path of the leaf is named.
+            ValueError: a tensor or op a collective refuses (``"mean"`` of an
+                integer tensor, say).
+        """
+        name = "allreduce_tree"
+        comm = self._lane(name)
+        mean = _ops.reduction_name(op, collective=name) == "mean"
+        leaves, rebuild = _tree.flatten(tree, collective=name)
+        tensors: list[torch.Tensor] = []
+        numbers: dict[torch.dtype, list[tuple[int, float | int]]] = {}
+        for index, (path, leaf) in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(self._tensor(comm, leaf, name, path))
+            else:
+                wide = torch.float64 if mean or isinstance(leaf, float) else torch.int64
+                numbers.setdefault(wide, []).append((index, leaf))
+        carriers = {
+            dtype: torch.tensor([v for _, v in found], dtype=dtype, device=comm.device)
+            for dtype, found in numbers.items()
+        }
+        parts = self._coalesced(comm, tensors + list(carriers.values()), op, name)
+
+        def finish(done: list[None]) -> T:
+            values: list[Any] = [leaf for _, leaf in leaves]
+            for dtype, found in numbers.items():
+                for (index, _), value in zip(found, carriers[dtype].tolist(), strict=True):
+                    values[index] = value
+            rebuilt: T = rebuild(values)
+            return rebuilt
+
+        return combined(name, parts, finish)
 
     # -- object collectives ----------------------------------------------------------
 
@@ -397,7 +522,11 @@ class Collectives:
             TypeError: ``obj`` cannot be pickled (on ``src``).
             pickle.UnpicklingError: (from the handle) a refused global.
         """
-        name = "broadcast_object"
+        return self._broadcast_object("broadcast_object", obj, src, allowed)
+
+    def _broadcast_object(
+        self, name: str, obj: Any, src: int, allowed: Iterable[Any] | None
+    ) -> Handle[Any]:
         comm = self._lane(name)
         self._rank(comm, src, name, "src")
         allow = _pickle.allow_list(allowed)
@@ -435,3 +564,187 @@ class Collectives:
             ]
 
         return comm.launch(Spec(name, "all_gather_object", finish, payload=payload))
+
+    def gather_object(
+        self, obj: Any, dst: int = 0, *, allowed: Iterable[Any] | None = None
+    ) -> Handle[list[Any] | None]:
+        """Collect a picklable object from every rank on rank ``dst``.
+
+        Like ``torch.distributed.gather_object``; unlike
+        [all_gather_object][asyncdist.DistSession.all_gather_object], only
+        ``dst`` receives (and unpickles) the objects.
+
+        Returns:
+            A handle whose result is the list of every rank's object, by rank,
+            on ``dst`` (its own entry is ``obj`` itself), ``None`` elsewhere.
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled, or ``dst`` is not an int.
+            ValueError: ``dst`` is not a rank of the group.
+            pickle.UnpicklingError: (from the handle, on ``dst``) a refused global.
+        """
+        name = "gather_object"
+        comm = self._lane(name)
+        self._rank(comm, dst, name, "dst")
+        allow = _pickle.allow_list(allowed)
+        payload = _pickle.dumps(obj, op=name)
+        me = comm.rank
+
+        def finish(received: list[bytes] | None) -> list[Any] | None:
+            if received is None:
+                return None
+            return [
+                obj if rank == me else _pickle.loads(data, allow)
+                for rank, data in enumerate(received)
+            ]
+
+        return comm.launch(Spec(name, "gather_object", finish, root=dst, payload=payload))
+
+    # -- the main rank -----------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank on the lane."""
+        raise NotImplementedError
+
+    def print(
+        self,
+        *values: object,
+        sep: str | None = " ",
+        end: str | None = "\n",
+        file: TextIO | None = None,
+        flush: bool = False,
+    ) -> None:
+        """``print(*values)`` on rank 0 only (of this session, or of the
+        sub-session after ``split``); nothing on the other ranks. Waits for
+        no one, and works before entry and after the session ended."""
+        if self.rank == 0:
+            builtins.print(*values, sep=sep, end=end, file=file, flush=flush)
+
+    def logger(
+        self, name: str | logging.Logger, *, main_only: bool = True
+    ) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger adapter over ``logging.getLogger(name)`` (or the logger given).
+
+        With ``main_only`` (the default) it emits on rank 0 only; the other
+        ranks drop every record, whatever the level. Every record it emits
+        carries this rank as ``%(rank)s`` for formats to show. Configure
+        handlers and levels on the logger itself, as usual.
+
+        Raises:
+            TypeError: ``name`` is neither a string nor a ``logging.Logger``.
+        """
+        if isinstance(name, str):
+            name = logging.getLogger(name)
+        elif not isinstance(name, logging.Logger):
+            raise TypeError(
+                f"logger: name must be a str or a logging.Logger, not {type(name).__name__}"
+            )
+        return _RankLogger(name, self, main_only=main_only)
+
+    def main_first(self) -> MainFirst:
+        """A block that rank 0 runs first and the other ranks after it (to
+        download a data set, or build a cache, once).
+
+        ``with s.main_first():`` in sync code, ``async with s.main_first():``
+        in async code (the other ranks then wait for rank 0 without blocking
+        the event loop). Every rank must enter the block. If rank 0's block
+        raises, the other ranks do not run theirs: they raise ``PeerFailure``
+        naming rank 0's error. Rank 0 waits for no one.
+
+        Raises:
+            SessionClosed, SessionBroken: (on entry) the session is not usable.
+            PeerFailure: (on entry, ranks but 0) rank 0's block raised.
+        """
+        return MainFirst(self)
+
+
+class _RankLogger(logging.LoggerAdapter[logging.Logger]):
+    """The adapter of [logger][asyncdist.DistSession.logger]."""
+
+    def __init__(self, logger: logging.Logger, lane: Collectives, *, main_only: bool) -> None:
+        super().__init__(logger, {})
+        self._lane_ = lane
+        self._main_only = main_only
+
+    def isEnabledFor(self, level: int) -> bool:
+        if self._main_only and self._lane_.rank != 0:
+            return False
+        return self.logger.isEnabledFor(level)
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        kwargs["extra"] = {"rank": self._lane_.rank, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+
+class MainFirst:
+    """The block of [main_first][asyncdist.DistSession.main_first], sync or async.
+
+    Rank 0 runs its block at once and, leaving it, broadcasts whether it
+    succeeded; the other ranks wait for that broadcast on entry. One
+    broadcast per block on every rank, so the blocks pair up by order.
+    """
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, lane: Collectives) -> None:
+        self._owner = lane
+
+    def _enter(self) -> Handle[Any] | None:
+        """What the ranks but 0 wait for (None on rank 0)."""
+        if self._owner._lane(_MAIN_FIRST).rank == 0:
+            return None
+        return self._owner._broadcast_object(_MAIN_FIRST, None, 0, ())
+
+    def _check(self, failed: Any) -> None:
+        if failed is not None:
+            rank = self._owner.rank
+            raise PeerFailure(
+                f"{_MAIN_FIRST} on rank {rank}: rank 0 raised {failed} inside its block, so "
+                "this rank does not run it; see rank 0's error",
+                op=_MAIN_FIRST,
+                rank=rank,
+            )
+
+    def _exit(self, exc: BaseException | None) -> Handle[Any] | None:
+        """Rank 0 tells the others how its block ended; the handle to wait
+        for when it succeeded (a failure must not be masked by a wait)."""
+        if self._owner.rank != 0:
+            return None
+        if exc is None:
+            return self._owner._broadcast_object(_MAIN_FIRST, None, 0, ())
+        with contextlib.suppress(AsyncDistError):  # broken: the peers learn it anyway
+            self._owner._broadcast_object(_MAIN_FIRST, f"{type(exc).__name__}({exc})", 0, ())
+        return None
+
+    def __enter__(self) -> None:
+        handle = self._enter()
+        if handle is not None:
+            self._check(handle.wait())
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        handle = self._exit(exc)
+        if handle is not None:
+            handle.wait()
+
+    async def __aenter__(self) -> None:
+        handle = self._enter()
+        if handle is not None:
+            self._check(await handle)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        handle = self._exit(exc)
+        if handle is not None:
+            await handle

@@ -20,6 +20,7 @@ EXPECTED = {
     "PeerFailure",
     "SessionBroken",
     "SessionClosed",
+    "State",
     "__version__",
     "spawn",
     "wait_all",
@@ -103,7 +104,9 @@ COLLECTIVES = (
     "barrier",
     "broadcast_object",
     "all_gather_object",
+    "gather_object",
     "allreduce_coalesced",
+    "allreduce_tree",
 )
 
 
@@ -128,3 +131,27 @@ def test_every_collective_is_a_plain_method_and_every_wait_has_an_async_form() -
 def test_version_is_a_string() -> None:
     assert isinstance(asyncdist.__version__, str)
     assert asyncdist.__version__.count(".") >= 2
+
+
+def test_session_state_type_is_exported() -> None:
+    import typing
+
+    assert typing.get_type_hints(asyncdist.DistSession.state.fget)["return"] is asyncdist.State
+    assert asyncdist.DistSession().state is asyncdist.State.UNOPENED
+    assert [s.name for s in asyncdist.State] == ["UNOPENED", "OPEN", "BROKEN", "CLOSED"]
+
+
+def test_training_loop_conveniences() -> None:
+    session = asyncdist.DistSession
+    assert "uneven" in inspect.signature(session.all_gather).parameters
+    assert list(inspect.signature(session.gather_object).parameters) == [
+        "self",
+        "obj",
+        "dst",
+        "allowed",
+    ]
+    for name in ("print", "logger", "main_first"):
+        assert not inspect.iscoroutinefunction(getattr(session, name)), name
+    block = session().main_first()  # the sync and the async form are one object
+    for method in ("__enter__", "__exit__", "__aenter__", "__aexit__"):
+        assert hasattr(block, method), method
