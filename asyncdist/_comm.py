@@ -1,21 +1,21 @@
 """The communication layer: the one module that calls ``torch.distributed`` for collectives.
 
-A :class:`Comm` is one ordered lane over one process group. It owns what
+A ``Comm`` is one ordered lane over one process group. It owns what
 the lane needs to run: the group and its side groups (object traffic, debug
 fingerprints), the health shared with every handle, the outstanding
 handles, the completer threads for works gloo gives no future, the
-watchdog, sub-lanes formed by :meth:`Comm.split`, and the order in which all
+watchdog, sub-lanes formed by ``Comm.split``, and the order in which all
 of that is torn down.
 
-Collectives reach it as a :class:`Spec`: a small declarative description of
+Collectives reach it as a ``Spec``: a small declarative description of
 what to issue (which call, which tensors, reduce op, root) and how to finish
 (the step that turns the completed work into the handle's result). One
-:meth:`Comm.launch` issues every spec the same way, so tracing and debug
+``Comm.launch`` issues every spec the same way, so tracing and debug
 verification cover every op alike.
 
 Teardown order (DESIGN §4): gloo runs future callbacks on its worker thread
 while that thread still holds the work, so the last reference to a group must
-never be dropped there. :meth:`Comm.close` first stops the completer and the
+never be dropped there. ``Comm.close`` first stops the completer and the
 watchdog (joining their threads), forgets the outstanding handles, then
 destroys side groups, sub-groups and the group, on the closing thread.
 """
@@ -27,17 +27,19 @@ import ctypes
 import datetime
 import logging
 import threading
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import _ops
-from ._debug import Fingerprint, Verifier
+from ._debug import Fingerprint, Verifier, describe
 from ._env import gloo_on_loopback
 from ._handle import Completer, Handle, Health, Watchdog
+from ._store import LeaveNotices
 from ._trace import Tracer
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
 from .errors import CollectiveMismatch, translate
@@ -60,8 +62,34 @@ Call = Literal[
     "barrier",
     "broadcast_object",
     "all_gather_object",
+    "gather_object",
+    "all_gather_rows",
 ]
 Ownership = Literal["world", "group", "adopted"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where the tensors of one device type travel: the group that carries
+    them, its backend there, and the one device of that type the lane serves.
+
+    A CUDA session has two, like torch's default group
+    (``"cpu:gloo,cuda:nccl"``): ``cuda`` on NCCL, ``cpu`` on gloo, both over
+    one process group that dispatches by device.
+    """
+
+    group: Any
+    backend: str
+    device: torch.device
+
+    def __str__(self) -> str:
+        return f"{self.device} ({self.backend})"
+
+
+def device_type(tensor: torch.Tensor) -> str:
+    """The default routing key: the tensor's device type."""
+    return tensor.device.type
+
 
 _POINT_TO_POINT = frozenset({"send", "recv"})
 
@@ -211,9 +239,57 @@ def _all_gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -
     ]
 
 
+def _gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> list[bytes] | None:
+    payload, dst = spec.payload, _root(spec)
+    sizes = torch.empty(world_size, dtype=torch.int64)
+    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    longest = int(sizes.max().item())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = _byte_tensor(payload)
+    buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    if longest:
+        dist.gather(mine, buffers if rank == dst else None, group=group, group_dst=dst)
+    if rank != dst:
+        return None
+    return [_tensor_bytes(buffers[r][: int(sizes[r])]) for r in range(world_size)]
+
+
+def _all_gather_rows(
+    group: Any, spec: Spec[Any], world_size: int, rank: int
+) -> tuple[list[torch.Tensor], str]:
+    """All-gather CPU tensors whose first dimension differs by rank: exchange
+    the row counts (and a digest of the rest of the shape and the dtype),
+    gather every rank's rows padded to the longest, trim. Returns the rows by
+    rank and ``""``, or ``[]`` and what the ranks disagree on (every rank
+    sees the same headers, so every rank stops at the same point)."""
+    mine = spec.inputs[0]
+    kind = f"{mine.dtype}{list(mine.shape[1:])}".encode()
+    header = torch.tensor([mine.shape[0], zlib.crc32(kind)], dtype=torch.int64)
+    headers = torch.empty(2 * world_size, dtype=torch.int64)
+    dist.all_gather_single(headers, header, group=group)
+    rows, digests = headers[0::2].tolist(), headers[1::2].tolist()
+    if len(set(digests)) > 1:
+        described = replace(spec, payload=describe(mine).encode())
+        shapes = [data.decode() for data in _all_gather_bytes(group, described, world_size, rank)]
+        listed = ", ".join(f"{shape} on rank {r}" for r, shape in enumerate(shapes))
+        return [], (
+            f"{spec.op} on rank {rank}: only the first dimension may differ between ranks, "
+            f"got {listed}"
+        )
+    longest, rest = max(rows), mine.shape[1:]
+    padded = mine.new_zeros((longest, *rest))
+    padded[: mine.shape[0]] = mine
+    everyone = mine.new_empty((world_size * longest, *rest))
+    if everyone.numel():
+        dist.all_gather_single(everyone.view(-1), padded.view(-1), group=group)
+    return [everyone[r * longest : r * longest + rows[r]] for r in range(world_size)], ""
+
+
 _EXCHANGE: dict[str, Callable[[Any, Spec[Any], int, int], Any]] = {
     "broadcast_object": _broadcast_bytes,
     "all_gather_object": _all_gather_bytes,
+    "gather_object": _gather_bytes,
+    "all_gather_rows": _all_gather_rows,
 }
 
 
@@ -242,13 +318,21 @@ class Comm:
         health: Health | None = None,
         parent: Comm | None = None,
         label: str = "the session",
+        notices: LeaveNotices | None = None,
+        cpu_route: bool = False,
     ) -> None:
         self.group = group
         self.label = label
         self.rank = rank
         self.world_size = world_size
-        self.backend = backend
+        self.backend = backend  # the device's backend (its route's)
         self.device = device
+        # by device type; the session's device first. ``cpu_route``: a CUDA
+        # lane whose group also carries CPU tensors on gloo
+        self.routes: dict[str, Route] = {device.type: Route(group, backend, device)}
+        if cpu_route and device.type != "cpu":
+            self.routes["cpu"] = Route(group, "gloo", torch.device("cpu"))
+        self.route_key: Callable[[torch.Tensor], str] = device_type
         self.timeout = timeout
         self.debug = debug
         self.loopback = loopback
@@ -265,6 +349,11 @@ class Comm:
         self._issuer_name = ""
         self._completer = Completer(f"asyncdist-completer-r{rank}")
         self._watchdog = Watchdog(self.health, self._outstanding)
+        if notices is None and parent is None and owns == "world":
+            notices = LeaveNotices.for_world(world_size, label)
+        self._notices = notices  # how peers learn that this rank left on purpose
+        self._issued = 0  # collectives launched on this lane
+        self._splits = 0  # sub-lanes formed by split
 
     # -- groups -------------------------------------------------------------------
 
@@ -307,7 +396,7 @@ class Comm:
         ranks, mine = self.global_ranks, self.rank // group_size
         own: Any = None
         try:
-            with gloo_on_loopback(self.loopback and self.backend == "gloo"):
+            with gloo_on_loopback(self.loopback and self.uses_gloo):
                 for block in range(self.world_size // group_size):
                     group = dist.new_group(
                         ranks[block * group_size : (block + 1) * group_size],
@@ -319,7 +408,12 @@ class Comm:
             raise self.health.fail(exc, op="split") from exc
         first = ranks[mine * group_size]
         label = f"the sub-session of ranks {first}..{first + group_size - 1}"
-        return self._child(own, self.rank % group_size, group_size, "split", label)
+        notices = None
+        if self._notices is not None:
+            members = ranks[mine * group_size : (mine + 1) * group_size]
+            notices = self._notices.child(f"split{self._splits}", members, label)
+        self._splits += 1
+        return self._child(own, self.rank % group_size, group_size, "split", label, notices)
 
     def channel(self, name: str) -> Comm:
         """A lane over the same ranks with groups of its own (its collectives
@@ -332,7 +426,7 @@ class Comm:
             CollectiveError: a peer did not join in time (the session breaks).
         """
         try:
-            with gloo_on_loopback(self.loopback and self.backend == "gloo"):
+            with gloo_on_loopback(self.loopback and self.uses_gloo):
                 group = dist.new_group(
                     self.global_ranks,
                     timeout=datetime.timedelta(seconds=self.timeout),
@@ -340,9 +434,21 @@ class Comm:
                 )
         except RuntimeError as exc:
             raise self.health.fail(exc, op="channel") from exc
-        return self._child(group, self.rank, self.world_size, "channel", f"channel {name!r}")
+        label = f"channel {name!r}"
+        notices = None
+        if self._notices is not None:
+            notices = self._notices.child(f"channel:{name}", self.global_ranks, label)
+        return self._child(group, self.rank, self.world_size, "channel", label, notices)
 
-    def _child(self, group: Any, rank: int, world_size: int, op: str, label: str) -> Comm:
+    def _child(
+        self,
+        group: Any,
+        rank: int,
+        world_size: int,
+        op: str,
+        label: str,
+        notices: LeaveNotices | None = None,
+    ) -> Comm:
         child = Comm(
             group,
             rank=rank,
@@ -356,7 +462,10 @@ class Comm:
             health=self.health,
             parent=self,
             label=label,
+            notices=notices,
+            cpu_route="cpu" in self.routes,  # sub-groups take the default group's backends
         )
+        child.route_key = self.route_key
         self._children.append(child)
         try:
             child.form_side_groups()
@@ -364,6 +473,56 @@ class Comm:
             child.close()
             raise self.health.fail(exc, op=op) from exc
         return child
+
+    # -- routing -------------------------------------------------------------------
+
+    @property
+    def uses_gloo(self) -> bool:
+        return any(route.backend == "gloo" for route in self.routes.values())
+
+    def serves(self) -> str:
+        """The devices this lane serves, for messages: ``cuda:0 (nccl) and cpu (gloo)``."""
+        return " and ".join(str(route) for route in self.routes.values())
+
+    def route(self, tensor: Any, *, collective: str, what: str = "tensor") -> Route:
+        """The route of ``tensor`` (a non-tensor gets the session's device's
+        route; the argument checks then refuse it).
+
+        Raises:
+            ValueError: a tensor on a device this lane does not serve (a meta
+                tensor, another GPU than the session's).
+        """
+        primary = next(iter(self.routes.values()))
+        if not isinstance(tensor, torch.Tensor):
+            return primary
+        route = self.routes.get(self.route_key(tensor))
+        if route is None and primary.backend == "gloo" and tensor.device.type == "cuda":
+            return primary  # a gloo-only lane stages CUDA tensors through the host
+        if route is None or (route.device.type == "cuda" and tensor.device != route.device):
+            raise ValueError(
+                f"{collective}: {what} is on {tensor.device}, but this session serves "
+                f"{self.serves()}; move it with .to({str(primary.device)!r})"
+            )
+        return route
+
+    def _route_of(self, spec: Spec[Any]) -> Route:
+        """The one route of every tensor of ``spec`` (no tensor: the device's).
+
+        Raises:
+            ValueError: the call mixes tensors of two routes.
+        """
+        tensors = [*spec.inputs, *(spec.outputs or ())]
+        if not tensors:
+            return next(iter(self.routes.values()))
+        routes = {
+            id(route): route for route in (self.route(t, collective=spec.op) for t in tensors)
+        }
+        if len(routes) > 1:
+            raise ValueError(
+                f"{spec.op}: one call takes tensors of one device, got "
+                f"{', '.join(sorted({str(t.device) for t in tensors}))}"
+            )
+        return next(iter(routes.values()))
 
     # -- tracing -------------------------------------------------------------------
 
@@ -393,9 +552,12 @@ class Comm:
             CollectiveError: torch refused the call before anything was sent.
             CollectiveMismatch: (debug mode, sync callers) ranks disagree.
         """
+        route = None if spec.call in _EXCHANGE else self._route_of(spec)
         outstanding = self._outstanding
         while outstanding and outstanding[0].done():
-            outstanding.popleft()
+            retired = outstanding.popleft()
+            if not retired._streamed:  # no stream to order: the result needs no work
+                retired._release(None)  # (close() releases the others)
         issuer = issuer_key()
         if issuer != self._issuer:
             self._switch_issuer(issuer, spec.op)
@@ -408,11 +570,14 @@ class Comm:
             def finish() -> Any:
                 return spec.finish(box[0])
 
-        handle: Handle[T] = Handle._create(spec.op, self.health, finish)
+        self._issued += 1
+        handle: Handle[T] = Handle._create(
+            spec.op, self.health, finish, self._notices, self._issued
+        )
         if self._verifier is None:
-            self._issue(handle, spec, received)
+            self._issue(handle, spec, received, route)
         else:
-            self._issue_verified(handle, spec, received)
+            self._issue_verified(handle, spec, received, route)
         outstanding.append(handle)
         tracer = self.tracer
         if tracer is not None:
@@ -444,6 +609,7 @@ class Comm:
         handle: Handle[Any],
         spec: Spec[Any],
         received: list[Any] | None,
+        route: Route | None,
         *,
         deferred: bool = False,
     ) -> None:
@@ -459,19 +625,26 @@ class Comm:
 
             self._completer.submit("objects", lambda: handle._settle(run))
             return
+        assert route is not None
         try:
-            work = _ISSUE[spec.call](self.group, spec)
+            work = _ISSUE[spec.call](route.group, spec)
         except (RuntimeError, ValueError) as exc:
             # refused by torch before anything reached the wire
-            raise translate(exc, op=spec.op, rank=self.rank, timeout=self.timeout) from exc
-        key = _futureless(spec) if self.backend == "gloo" else None
+            raise translate(
+                exc, op=spec.op, rank=self.rank, timeout=self.timeout, left=handle._left()
+            ) from exc
+        key = _futureless(spec) if route.backend == "gloo" else None
         if key is not None:
-            self._completer.submit(key, lambda: handle._settle(work.wait))
+            self._completer.submit(f"{route.device.type}:{key}", lambda: handle._settle(work.wait))
         else:
-            handle._attach(work, streamed=self.backend == "nccl", hook=deferred)
+            handle._attach(work, streamed=route.backend == "nccl", hook=deferred)
 
     def _issue_verified(
-        self, handle: Handle[Any], spec: Spec[Any], received: list[Any] | None
+        self,
+        handle: Handle[Any],
+        spec: Spec[Any],
+        received: list[Any] | None,
+        route: Route | None,
     ) -> None:
         """Debug mode: agree with every rank on the call, then issue it.
 
@@ -496,8 +669,8 @@ class Comm:
         def agree_then_issue() -> None:
             try:
                 if fingerprint is not None:
-                    self._agree(spec.op, fingerprint)
-                self._issue(handle, spec, received, deferred=True)
+                    self._agree(spec.op, fingerprint, handle)
+                self._issue(handle, spec, received, route, deferred=True)
             except BaseException as exc:  # noqa: BLE001 - it reaches the caller or the handle
                 refused.append(exc)
                 handle._fail(exc)
@@ -511,7 +684,7 @@ class Comm:
                 handle._observed = True
                 raise refused[0]
 
-    def _agree(self, op: str, fingerprint: Fingerprint) -> None:
+    def _agree(self, op: str, fingerprint: Fingerprint, handle: Handle[Any]) -> None:
         assert self._verifier is not None
         raw = torch.frombuffer(bytearray(fingerprint.encode()), dtype=torch.uint8)
         size = raw.numel()
@@ -519,7 +692,7 @@ class Comm:
         try:
             dist.all_gather_single(everyone, raw, group=self._side["debug"])
         except RuntimeError as exc:
-            raise self.health.fail(exc, op=op) from exc
+            raise self.health.fail(exc, op=op, left=handle._left()) from exc
         prints = [
             Fingerprint.decode(_tensor_bytes(everyone[r * size : (r + 1) * size]))
             for r in range(self.world_size)
@@ -543,6 +716,15 @@ class Comm:
     def closed(self) -> bool:
         return self._closed
 
+    def leave(self, *, finished: bool) -> None:
+        """Tell the peers that this rank leaves this lane (and the lanes inside
+        it) on purpose, before any group is destroyed: a peer still waiting in
+        a collective then learns why its connection closed. ``finished``: the
+        block ended normally. Skipped once broken (the fault explains it).
+        Bounded by ``NOTICE_TIMEOUT``; one store request when all is well."""
+        if self._notices is not None and not self._closed and self.health.fault is None:
+            self._notices.post(self.health.rank, finished=finished)
+
     def close(self) -> None:
         """Release everything, in the order that keeps gloo from aborting
         (see the module docstring). Closing twice is fine."""
@@ -553,6 +735,7 @@ class Comm:
             child.close()
         self._completer.close(timeout=self.timeout)
         self._watchdog.close()
+        handles = list(self._outstanding)
         self._outstanding.clear()
         side, self._side = list(self._side.values()), {}
         groups = [] if self._owns == "world" else side  # the world takes its groups along
@@ -565,6 +748,13 @@ class Comm:
                 dist.destroy_process_group(group)
             except (RuntimeError, ValueError, KeyError) as exc:  # already gone
                 logger.debug("destroy_process_group: %s", exc)
+        # Once the groups are gone, handles the program (or a fault's traceback)
+        # still holds let go of their works, which keep gloo's transport alive.
+        for handle in handles:
+            handle._release(self.health.fault)
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
+        if self._parent is None and self._notices is not None:
+            self._notices.release()  # no handle keeps the store (or its port) alive
         self.group = None
+        self.routes = {}  # nor a route its group

@@ -6,11 +6,11 @@ Precedence, field by field: explicit arguments > torchrun (``RANK``,
 list) > a single-process world on 127.0.0.1 with a port the OS picks.
 
 Nothing here writes to ``os.environ``, with one exception: while a gloo group
-of a loopback-only world is being created, :func:`gloo_on_loopback` sets
+of a loopback-only world is being created, ``gloo_on_loopback`` sets
 ``GLOO_SOCKET_IFNAME`` (torch 2.13 gives gloo no other way to choose its
 interface: ``init_process_group``/``new_group`` ignore ``pg_options`` for
 gloo). That write is process-wide; a module lock serializes every group
-creation that goes through :func:`gloo_on_loopback`, so no other asyncdist
+creation that goes through ``gloo_on_loopback``, so no other asyncdist
 group is created while the variable is set.
 """
 
@@ -34,10 +34,13 @@ Launcher = Literal["explicit", "torchrun", "slurm", "local"]
 
 LOOPBACK = "127.0.0.1"
 
-# SLURM gives no port; derive one from the job id inside this range so that two
-# jobs sharing a node rarely collide.  MASTER_PORT, when set, wins.
+# SLURM gives no port; derive one from the job and step ids inside this range so
+# that two jobs sharing a node, or two steps of one job, rarely collide (step 0
+# gets the job's own port; a prime stride keeps steps off nearby jobs' ports).
+# MASTER_PORT, when set, wins.
 _SLURM_PORT_BASE = 20000
 _SLURM_PORT_SPAN = 20000
+_SLURM_STEP_STRIDE = 7919
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class LaunchEnv:
     """Where this process sits in the job.
 
     ``master_port`` is ``None`` when the store should listen on a port the OS
-    picks (the local default and :func:`asyncdist.spawn`'s parent).
+    picks (the local default and [asyncdist.spawn][asyncdist.spawn]'s parent).
     ``agent_store`` is true when a launcher agent (torchrun, ``spawn``) already
     hosts the store, so rank 0 connects to it instead of hosting one.
     ``attempt`` is torchrun's ``TORCHELASTIC_RESTART_COUNT``: the restarts this
@@ -76,18 +79,19 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
 def first_slurm_host(nodelist: str) -> str:
     """Return the first host of a SLURM node list.
 
-    ``"gpu[007-010,12],cpu1"`` -> ``"gpu007"``; ``"node1,node2"`` -> ``"node1"``.
+    ``"gpu[007-010,12],cpu1"`` -> ``"gpu007"``; ``"node1,node2"`` -> ``"node1"``;
+    ``"node[1-4]-ib"`` -> ``"node1-ib"``.
     """
     nodelist = nodelist.strip()
     if not nodelist:
         raise InitError("SLURM node list is empty; set MASTER_ADDR")
-    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist)
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\]([^,]*))?", nodelist)
     assert match is not None  # the pattern matches every string
-    prefix, ranges = match.group(1), match.group(2)
+    prefix, ranges, rest = match.group(1), match.group(2), match.group(3)
     if ranges is None:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return prefix + first + (first_slurm_host(rest) if rest else "")
 
 
 def launcher_local_rank(environ: Mapping[str, str] | None = None) -> int | None:
@@ -105,7 +109,18 @@ def _slurm_port(environ: Mapping[str, str]) -> int | None:
     job_id = _int(environ, "SLURM_JOB_ID")
     if job_id is None:
         return None
-    return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
+    step_id = _int(environ, "SLURM_STEP_ID") or 0
+    return _SLURM_PORT_BASE + (job_id + _SLURM_STEP_STRIDE * step_id) % _SLURM_PORT_SPAN
+
+
+def _in_slurm_batch_script(environ: Mapping[str, str]) -> bool:
+    """True in a SLURM job's batch script, outside any ``srun`` step.
+
+    sbatch gives its script ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS``
+    but no step id; taken as rank 0 of that world, a process there would wait
+    for peers that nobody starts.
+    """
+    return "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ
 
 
 def detect(
@@ -121,7 +136,8 @@ def detect(
 
     Raises:
         InitError: the environment is inconsistent (rank outside the world,
-            a multi-process world without a master port, a non-integer value).
+            a multi-process world without a master port, a non-integer value),
+            or this is the batch script of a multi-task SLURM job, not a task.
     """
     env = os.environ if environ is None else environ
     launcher: Launcher
@@ -139,8 +155,21 @@ def detect(
         launcher = "slurm"
         env_rank, env_world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         env_local = launcher_local_rank(env)
-        if addr is None:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        explicit_world = rank is not None or world_size is not None
+        if (env_world or 0) > 1 and not explicit_world and _in_slurm_batch_script(env):
+            raise InitError(
+                f"this process is the batch script of SLURM job {env.get('SLURM_JOB_ID', '?')} "
+                f"({env_world} tasks), not one of its tasks (no SLURM_STEP_ID): start the "
+                "tasks with `srun python ...`, or pass rank= and world_size="
+            )
+        if addr is None and master_addr is None:
+            # the step's nodes: a step may run on a subset of the job's
+            nodelist = (
+                env.get("SLURM_STEP_NODELIST")
+                or env.get("SLURM_JOB_NODELIST")
+                or env.get("SLURM_NODELIST")
+                or ""
+            )
             addr = first_slurm_host(nodelist)
         if port is None:
             port = _slurm_port(env)
@@ -185,12 +214,16 @@ def detect(
     )
 
 
+_NCCL_WITHOUT_CUDA = "the nccl backend needs a CUDA device"
+
+
 def choose_device(device: Any, backend: str | None, local_rank: int) -> torch.device:
     """The session's device: explicit, else CUDA ``LOCAL_RANK`` for NCCL or when
     CUDA is present (and the backend is not gloo), else CPU. Never
     ``rank % device_count``.
 
     Raises:
+        ValueError: NCCL on a machine without CUDA devices.
         InitError: the chosen CUDA device does not exist here.
     """
     if device is not None:
@@ -205,6 +238,15 @@ def choose_device(device: Any, backend: str | None, local_rank: int) -> torch.de
         return torch.device("cpu")
     if chosen.type == "cuda":
         count = torch.cuda.device_count()
+        if count == 0 and str(backend).lower() == "nccl":
+            raise ValueError(
+                _NCCL_WITHOUT_CUDA + "; this machine has none; use backend='gloo' on CPU"
+            )
+        if count == 0:
+            raise InitError(
+                f"{chosen} was requested, but this machine has no CUDA device; use "
+                "device='cpu' (and the gloo backend)"
+            )
         if chosen.index is not None and chosen.index >= count:
             raise InitError(
                 f"this process wants {chosen} (LOCAL_RANK={local_rank}) but sees "
@@ -228,8 +270,21 @@ def choose_backend(backend: str | None, device: torch.device) -> str:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError("the nccl backend needs a CUDA device; use backend='gloo' on CPU")
+        raise ValueError(_NCCL_WITHOUT_CUDA + "; use backend='gloo' on CPU")
     return backend
+
+
+MIXED = "cpu:gloo,cuda:nccl"  # torch's default group on a CUDA machine
+
+
+def backends_by_device(backend: str) -> dict[str, str]:
+    """torch's backend string by device type: ``"cpu:gloo,cuda:nccl"`` gives
+    ``{"cpu": "gloo", "cuda": "nccl"}``; a plain ``"gloo"`` serves CPU and
+    CUDA tensors, ``"nccl"`` CUDA ones."""
+    backend = backend.lower()
+    if ":" in backend:
+        return dict(part.split(":", 1) for part in backend.split(","))
+    return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
 
 
 def is_loopback(host: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
+import functools
 import logging
 import math
 import os
@@ -30,7 +31,9 @@ from ._channel import Channel
 from ._collectives import Collectives
 from ._comm import Comm
 from ._env import (
+    MIXED,
     LaunchEnv,
+    backends_by_device,
     choose_backend,
     choose_device,
     detect,
@@ -109,8 +112,10 @@ class DistSession(Collectives):
     created, without any barrier a dead peer could hang.
 
     Args:
-        backend: ``"gloo"`` or ``"nccl"``; default NCCL when the device is
-            CUDA, else gloo.
+        backend: ``"gloo"`` or ``"nccl"`` for every tensor; by default a CUDA
+            session serves CUDA tensors on NCCL and CPU tensors on gloo (as
+            torch's default group does, per call by the tensor's device), and
+            a CPU session is gloo.
         init_method: a torch init URL (``"tcp://host:port"``, ``"file://..."``);
             default: asyncdist's own rendezvous from the environment.
         rank: this process's rank; overrides the launch environment
@@ -227,7 +232,8 @@ class DistSession(Collectives):
 
     @property
     def state(self) -> State:
-        """``UNOPENED``, ``OPEN``, ``BROKEN`` (after a fault) or ``CLOSED``."""
+        """The session's [State][asyncdist.State]: ``UNOPENED``, ``OPEN``,
+        ``BROKEN`` (after a fault) or ``CLOSED``."""
         comm = self._comm
         if self._state is State.OPEN and comm is not None and comm.health.fault is not None:
             return State.BROKEN
@@ -279,7 +285,7 @@ class DistSession(Collectives):
         with anyio.CancelScope(shield=True):
             unseen = [await handle._join_async() for handle in self._drain()]
             # joining worker threads and destroying the group can block: not on the loop
-            await anyio.to_thread.run_sync(self._teardown)
+            await anyio.to_thread.run_sync(functools.partial(self._teardown, left=exc is None))
         self._report(unseen, raise_errors=exc is None)
 
     def _open(self) -> None:
@@ -324,13 +330,19 @@ class DistSession(Collectives):
                 )
         local_rank = launcher_local_rank()
         self._local_rank = rank if local_rank is None else local_rank
-        backend = str(dist.get_backend())
+        backends = backends_by_device(str(dist.get_backend()))
+        device = choose_device(
+            self._requested_device, backends.get("cuda", "gloo"), self._local_rank
+        )
+        if device.type not in backends:
+            device = torch.device("cpu")
         return Comm(
             dist.group.WORLD,
             rank=rank,
             world_size=world,
-            backend=backend,
-            device=choose_device(self._requested_device, backend, self._local_rank),
+            backend=backends[device.type],
+            device=device,
+            cpu_route=device.type == "cuda" and backends.get("cpu") == "gloo",
             timeout=self._timeout,
             owns="adopted",
             debug=self._debug,
@@ -350,7 +362,10 @@ class DistSession(Collectives):
         loopback = self._init_method is None and (
             env.master_port is None or is_loopback(env.master_addr)
         )
-        self._form_world(env, backend, device, loopback)
+        # like torch's default group: CUDA tensors on NCCL, CPU tensors on gloo,
+        # unless a backend was asked for
+        mixed = self._requested_backend is None and device.type == "cuda"
+        self._form_world(env, MIXED if mixed else backend, device, loopback)
         self._local_rank = env.local_rank
         return Comm(
             dist.group.WORLD,
@@ -358,6 +373,7 @@ class DistSession(Collectives):
             world_size=env.world_size,
             backend=backend,
             device=device,
+            cpu_route=mixed,
             timeout=self._timeout,
             owns="world",
             debug=self._debug,
@@ -372,7 +388,7 @@ class DistSession(Collectives):
         try:
             if self._init_method is None:
                 store, self._owned_store, fresh = session_store(env, self._timeout)
-            with gloo_on_loopback(loopback and backend == "gloo"):
+            with gloo_on_loopback(loopback and "gloo" in backend):
                 dist.init_process_group(
                     backend,
                     init_method=self._init_method,
@@ -380,7 +396,7 @@ class DistSession(Collectives):
                     rank=env.rank,
                     world_size=env.world_size,
                     timeout=datetime.timedelta(seconds=self._timeout),
-                    device_id=device if backend == "nccl" else None,
+                    device_id=device if "nccl" in backend else None,
                 )
         except InitError:
             self._owned_store = None
@@ -407,7 +423,7 @@ class DistSession(Collectives):
 
     def _close(self, *, raise_errors: bool) -> None:
         unseen = [handle._join() for handle in self._drain()]
-        self._teardown()
+        self._teardown(left=raise_errors)
         self._report(unseen, raise_errors=raise_errors)
 
     def _report(self, unseen: Iterable[BaseException | None], *, raise_errors: bool) -> None:
@@ -431,9 +447,14 @@ class DistSession(Collectives):
             health.fault_seen = True  # once, not again at a parent session's exit
             raise fault
 
-    def _teardown(self) -> None:
+    def _teardown(self, *, left: bool | None = None) -> None:
+        """Release everything. ``left``: the block ended (``True``: normally,
+        ``False``: by an exception), so first tell the peers this rank left on
+        purpose, once for the lanes inside this one too."""
         if self._state is not State.OPEN:
             return
+        if left is not None and self._comm is not None:
+            self._comm.leave(finished=left)
         for child in list(self._children):
             child._teardown()
         self._state = State.CLOSED

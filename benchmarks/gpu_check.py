@@ -7,7 +7,10 @@
 3. overlap of a real matmul stream with an NCCL allreduce issued on a side
    stream: efficiency as in the overlap benchmark;
 4. that awaiting a handle never blocks the host while a kernel runs
-   (host timestamps around ``await``, against the kernel's device time).
+   (host timestamps around ``await``, against the kernel's device time);
+5. mixed devices in one default session: the quickstart's CPU tensor on
+   gloo and CUDA tensors on NCCL, interleaved, awaited together; and, with
+   two GPUs visible, the same with two NCCL ranks (one per GPU).
 
 Prints a table and writes gpu_check.json.
 """
@@ -48,6 +51,32 @@ def _gloo_ranks(s: Any) -> float:
 
     t = torch.full((1 << 20,), float(s.rank + 1), device="cuda")
     return float(s.allreduce(t).wait()[0].item())
+
+
+def _mixed(s: Any) -> dict[str, Any]:
+    """One default session: CPU metrics on gloo, CUDA gradients on NCCL."""
+    import anyio
+    import torch
+
+    from asyncdist import wait_all
+
+    async def main() -> dict[str, Any]:
+        metric = torch.ones(4) * (s.rank + 1)  # the quickstart's CPU tensor
+        grads = torch.full((1 << 22,), float(s.rank + 1), device=s.device)
+        handles = [s.allreduce(metric), s.allreduce(grads, op="mean")]
+        for _ in range(20):  # interleaved, as a training loop issues them
+            handles += [s.allreduce(torch.ones(1)), s.allreduce(torch.ones(8, device=s.device))]
+        await wait_all(handles)
+        torch.cuda.synchronize()
+        world = s.world_size
+        return {
+            "backend": s.backend,
+            "cpu_sum_ok": metric.tolist() == [world * (world + 1) / 2] * 4,
+            "cuda_mean_ok": grads[0].item() == (world + 1) / 2,
+            "streamed": [h._streamed for h in handles[:2]],
+        }
+
+    return anyio.run(main)
 
 
 def _nccl_checks() -> dict[str, Any]:
@@ -132,6 +161,9 @@ def main() -> int:
         _gloo_ranks, 2, backend="gloo", device="cpu", timeout=120
     )
     results["nccl"] = _nccl_checks()
+    results["mixed_one_rank"] = spawn(_mixed, 1, backend=None, timeout=120)
+    if torch.cuda.device_count() > 1:
+        results["mixed_two_ranks"] = spawn(_mixed, 2, backend=None, timeout=120)
     n = results["nccl"]
     rows = [
         ("CUDA tests", results["cuda_tests"]["summary"]),
@@ -141,6 +173,8 @@ def main() -> int:
         ("overlap efficiency (goal >= 0.95)", f"{n['efficiency']:.3f}"),
         ("host time in `await` during a long kernel", f"{n['await_host_s'] * 1e3:.2f} ms"),
         ("host time in synchronize()", f"{n['synchronize_host_s'] * 1e3:.1f} ms"),
+        ("mixed CPU+CUDA session, 1 rank", str(results["mixed_one_rank"])),
+        ("mixed, 2 NCCL ranks", str(results.get("mixed_two_ranks", "one GPU: not run"))),
     ]
     from rich.console import Console
     from rich.table import Table

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from asyncdist import DistSession, InitError, spawn
+from asyncdist import DistSession, InitError, spawn, wait_all
 from asyncdist._env import choose_backend, choose_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -114,3 +114,34 @@ def _gloo_cuda(s: DistSession) -> float:
 @pytest.mark.cuda
 def test_gloo_with_cuda_tensors_two_ranks_on_one_gpu() -> None:
     assert spawn(_gloo_cuda, 2, backend="gloo", device="cpu") == [3.0, 3.0]
+
+
+@needs_nccl
+@pytest.mark.cuda
+def test_one_session_serves_cpu_tensors_on_gloo_and_cuda_tensors_on_nccl() -> None:
+    with DistSession() as s:  # the default on a CUDA machine
+        assert (s.backend, s.device.type) == ("nccl", "cuda")
+        metric = torch.ones(4)  # the quickstart's CPU tensor, unchanged
+        grads = torch.full((1 << 20,), 2.0, device="cuda")
+        on_cpu, on_gpu = s.allreduce(metric), s.allreduce(grads, op="mean")
+        assert on_cpu.wait() is metric  # CPU: final once the handle completes
+        assert not on_cpu._streamed
+        assert on_gpu._streamed  # CUDA: stream-ordered
+        both = wait_all([s.allreduce(torch.zeros(2)), s.allreduce(torch.zeros(2, device="cuda"))])
+        both.synchronize()
+        assert metric.tolist() == [1.0] * 4
+        assert grads[0].item() == 2.0
+        assert s.broadcast_object({"step": 1}).wait() == {"step": 1}  # the CPU side group
+        with pytest.raises(ValueError, match=r"serves cuda:\d \(nccl\) and cpu \(gloo\)"):
+            s.allreduce(torch.ones(1, device="meta"))
+        if torch.cuda.device_count() > 1:
+            other = (s.device.index + 1) % torch.cuda.device_count()
+            with pytest.raises(ValueError, match=f"is on cuda:{other}"):
+                s.allreduce(torch.ones(1, device=f"cuda:{other}"))
+
+
+@needs_nccl
+@pytest.mark.cuda
+def test_backend_forces_one_backend_for_every_tensor() -> None:
+    with DistSession(backend="nccl") as s, pytest.raises(ValueError, match="is on cpu"):
+        s.allreduce(torch.ones(1))
