@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -194,6 +195,11 @@ class _Bucket:
         return self.buffer[start : start + param.numel()].view_as(param)
 
 
+# optimizers a _Stepper is stepping right now: no stepper's guard refuses
+# those calls (a second GradientSync over the same optimizer included)
+_STEPPING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 class _Stepper:
     """Runs an optimizer's update over a part of its parameters at a time.
 
@@ -207,11 +213,10 @@ class _Stepper:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.stepped = False  # this step's update is done; a manual step would repeat it
-        self._ours = False
         self._hook = optimizer.register_step_pre_hook(self._guard)
 
     def _guard(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.stepped and not self._ours:
+        if self.stepped and optimizer not in _STEPPING:
             raise AsyncDistError(
                 f"{type(optimizer).__name__}.step() called after `await sync` already "
                 f"stepped it: gradient_sync(optimizer=...) updates the parameters itself, "
@@ -231,11 +236,11 @@ class _Stepper:
     def step(self, part: list[list[Any]] | None) -> None:
         """``optimizer.step()`` over ``part`` (per group), or over everything."""
         if part is None:
-            self._ours = True
+            _STEPPING.add(self.optimizer)
             try:
                 self.optimizer.step()
             finally:
-                self._ours = False
+                _STEPPING.discard(self.optimizer)
             return
         if not any(part):
             return
@@ -244,10 +249,10 @@ class _Stepper:
         try:
             for group, params in zip(groups, part, strict=True):
                 group["params"] = params
-            self._ours = True
+            _STEPPING.add(self.optimizer)
             self.optimizer.step()
         finally:
-            self._ours = False
+            _STEPPING.discard(self.optimizer)
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
 
