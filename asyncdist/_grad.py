@@ -24,17 +24,24 @@ Two options go beyond DDP's reach:
   in the narrow type, pre-divided by the world size, and is copied back into
   the full-precision bucket, as DDP's ``bf16_compress_hook`` and
   ``fp16_compress_hook`` do.
+
+It is as safe as DDP: a step must be finished (``await sync``) before the
+next backward reaches the sync, or that backward raises; module buffers are
+rank 0's after every synced step (DDP's ``broadcast_buffers``); and the hooks
+come off when the session that made the sync ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import weakref
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops
 from ._handle import Handle, combined
@@ -49,6 +56,12 @@ class Lane(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
 
     @property
     def world_size(self) -> int: ...
@@ -79,6 +92,7 @@ class Options:
     optimizer: torch.optim.Optimizer | None
     compression: torch.dtype | None
     clip_grad_norm: float | None
+    broadcast_buffers: bool
 
     @classmethod
     def checked(
@@ -91,8 +105,10 @@ class Options:
         optimizer: torch.optim.Optimizer | None = None,
         compression: str | None = None,
         clip_grad_norm: float | None = None,
+        broadcast_buffers: bool = True,
     ) -> Options:
-        """Raises TypeError / ValueError naming the bad argument."""
+        """Raises TypeError / ValueError naming the bad argument, or
+        AsyncDistError when another live GradientSync covers the module."""
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
                 f"gradient_sync: module must be a torch.nn.Module, not {type(module).__name__}"
@@ -128,6 +144,11 @@ class Options:
                 )
         if optimizer is not None:
             _check_optimizer(optimizer, module, params)
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(
+                f"gradient_sync: broadcast_buffers must be True or False, not {broadcast_buffers!r}"
+            )
+        _check_not_synced(module, params, optimizer)
         return cls(
             params=tuple(params),
             cap=int(bucket_mb * MB),
@@ -136,6 +157,7 @@ class Options:
             optimizer=optimizer,
             compression=None if compression is None else COMPRESSION[compression],
             clip_grad_norm=None if clip_grad_norm is None else float(clip_grad_norm),
+            broadcast_buffers=broadcast_buffers,
         )
 
 
@@ -167,6 +189,44 @@ def _check_optimizer(
         )
 
 
+# The live GradientSync of each parameter and optimizer. Process-wide because
+# hooks live on the tensors (and the optimizer) themselves, whichever session
+# made them: two syncs over one parameter would both write its .grad, and two
+# over one optimizer would each step the other's parameters.
+# (Keyed by identity: a tensor's == is elementwise.)
+_LIVE_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LIVE_OPTIMIZERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _live(table: WeakIdKeyDictionary, key: object) -> GradientSync | None:
+    sync: GradientSync | None = table.get(key)  # type: ignore[no-untyped-call]
+    return sync
+
+
+def _check_not_synced(
+    module: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    names = {id(p): name for name, p in module.named_parameters()}
+    for param in params:
+        other = _live(_LIVE_PARAMS, param)
+        if other is not None:
+            raise AsyncDistError(
+                f"gradient_sync: parameter {names[id(param)]!r} of {type(module).__name__} "
+                f"already has a live {other._name}; call its remove() (or leave its `with` "
+                f"block) before making another over the same parameters"
+            )
+    if optimizer is not None:
+        other = _live(_LIVE_OPTIMIZERS, optimizer)
+        if other is not None:
+            raise AsyncDistError(
+                f"gradient_sync: {type(optimizer).__name__} already steps under a live "
+                f"{other._name} (optimizer=); one sync per optimizer: call its remove() "
+                f"first, or sync the whole model with one gradient_sync"
+            )
+
+
 class _Bucket:
     """One flat buffer of gradients of one dtype, reduced by one allreduce
     (of ``wire``, its narrow copy, when compressed)."""
@@ -195,8 +255,8 @@ class _Bucket:
         return self.buffer[start : start + param.numel()].view_as(param)
 
 
-# optimizers a _Stepper is stepping right now: no stepper's guard refuses
-# those calls (a second GradientSync over the same optimizer included)
+# optimizers a _Stepper is stepping right now: no sync's guard refuses those
+# calls (its own, or another sync's after the first was removed)
 _STEPPING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
@@ -206,22 +266,10 @@ class _Stepper:
     Each group's ``params`` list is narrowed to the part for one call of
     ``optimizer.step()`` and restored after it; per-parameter optimizers
     (SGD, Adam, AdamW, ...) then compute exactly what one full step would.
-    A step pre-hook refuses a second, manual ``optimizer.step()`` in a step
-    that gradient_sync already took.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.stepped = False  # this step's update is done; a manual step would repeat it
-        self._hook = optimizer.register_step_pre_hook(self._guard)
-
-    def _guard(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.stepped and optimizer not in _STEPPING:
-            raise AsyncDistError(
-                f"{type(optimizer).__name__}.step() called after `await sync` already "
-                f"stepped it: gradient_sync(optimizer=...) updates the parameters itself, "
-                f"bucket by bucket; remove the optimizer.step() call"
-            )
 
     def parts(self, bucket_of: dict[int, int], buckets: int) -> list[list[list[Any]]]:
         """Per bucket (and one more for parameters in no bucket), per group,
@@ -235,20 +283,14 @@ class _Stepper:
 
     def step(self, part: list[list[Any]] | None) -> None:
         """``optimizer.step()`` over ``part`` (per group), or over everything."""
-        if part is None:
-            _STEPPING.add(self.optimizer)
-            try:
-                self.optimizer.step()
-            finally:
-                _STEPPING.discard(self.optimizer)
-            return
-        if not any(part):
+        if part is not None and not any(part):
             return
         groups = self.optimizer.param_groups
         saved = [group["params"] for group in groups]
         try:
-            for group, params in zip(groups, part, strict=True):
-                group["params"] = params
+            if part is not None:
+                for group, params in zip(groups, part, strict=True):
+                    group["params"] = params
             _STEPPING.add(self.optimizer)
             self.optimizer.step()
         finally:
@@ -256,8 +298,13 @@ class _Stepper:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
 
-    def remove(self) -> None:
-        self._hook.remove()
+
+class _Phase(enum.Enum):
+    """Where a GradientSync is in its step."""
+
+    IDLE = "idle"  # the last step finished; no backward has reached the sync since
+    ACCUMULATING = "accumulating"  # backwards under no_sync() only: local gradients
+    LAUNCHED = "launched"  # a synced backward reached it: buckets may be on the wire
 
 
 class GradientSync:
@@ -277,15 +324,33 @@ class GradientSync:
     parameters, bucket by bucket as each allreduce lands (do not call
     ``opt.step()`` yourself; ``zero_grad`` and schedulers are used as usual).
 
+    Rules that keep every rank's model the same (each broken one raises an
+    [AsyncDistError][asyncdist.AsyncDistError] on the rank that broke it,
+    before anything is launched):
+
+    * a step must be finished (``await sync`` / ``sync.wait()``) before the
+      next backward reaches the sync; to accumulate gradients over several
+      backwards, run all but the last inside ``with sync.no_sync():``;
+    * with ``optimizer=``, ``opt.step()`` is the sync's to call: a manual one
+      in a step that a backward has reached, or after the sync stepped, raises;
+    * one live sync per parameter and per optimizer.
+
+    Module buffers (BatchNorm's running statistics, anything registered with
+    ``register_buffer``) are rank 0's on every rank once a synced step is
+    finished, as with DDP's ``broadcast_buffers=True`` (pass
+    ``broadcast_buffers=False`` to keep each rank's own).
+
     Parameters without ``requires_grad`` are left alone; a parameter that got
     no gradient on this rank in a step counts as a zero gradient, and receives
-    the average of the others. Use it as a context manager (or call
-    [remove][asyncdist.GradientSync.remove]) to take its hooks off the module.
+    the average of the others. The sync lives inside its session: when the
+    session ends (however it ends) its hooks come off, and backward is plain
+    local autograd again. Use it as a context manager (or call
+    [remove][asyncdist.GradientSync.remove]) to take them off sooner.
     """
 
     def __init__(self, session: Lane, module: torch.nn.Module, options: Options) -> None:
         self._lane = session
-        self._issuer = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
+        self._name = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
         self._module = module
         self._options = options
         self._params = list(options.params)
@@ -299,12 +364,23 @@ class GradientSync:
         self._landed = 0  # buckets of this step written back (and stepped)
         self._parts: list[list[list[Any]]] | None = None  # this step's optimizer parts
         self._order: Handle[list[int]] | None = None  # the pending bucket rebuild
+        self._buffers: Handle[None] | None = None  # this step's buffer broadcast
+        self._phase = _Phase.IDLE
+        self._finishing = False  # every bucket of this step is launched; awaiting them
+        self._stepped = False  # the update of this step is done; a manual step would repeat it
         self._enabled = True
-        self._stepper = None if options.optimizer is None else _Stepper(options.optimizer)
-        self._hooks = [
+        self._removed = False
+        optimizer = options.optimizer
+        self._stepper = None if optimizer is None else _Stepper(optimizer)
+        self._hooks: list[Any] = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in self._params
         ]
+        for param in self._params:
+            _LIVE_PARAMS[param] = self
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._guard))
+            _LIVE_OPTIMIZERS[optimizer] = self
 
     # -- buckets ----------------------------------------------------------------------
 
@@ -342,11 +418,25 @@ class GradientSync:
     # -- during backward ----------------------------------------------------------------
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._stepper is not None:
-            self._stepper.stepped = False  # a new step has begun
-        if not self._enabled or param.grad is None:
+        if self._removed or param.grad is None:
+            return
+        if self._lane.closed:  # its session ended (a lane of another session's, say)
+            self.remove()
             return
         index = self._index[id(param)]
+        if self._phase is _Phase.LAUNCHED and (
+            self._ready[index] or self._finishing or not self._enabled
+        ):
+            # buckets of the last step may be on the wire: writing into them,
+            # or launching this step's, would pair wrong values across ranks
+            raise self._unfinished()
+        self._stepped = False  # a new step has begun
+        if not self._enabled:
+            if self._phase is _Phase.IDLE:
+                self._phase = _Phase.ACCUMULATING
+            return
+        if self._phase is not _Phase.LAUNCHED:
+            self._begin()
         if self._arrivals is not None:
             self._arrivals.append(index)
         b, slot = self._where[index]
@@ -354,10 +444,27 @@ class GradientSync:
         target = bucket.slot(slot)
         if param.grad.data_ptr() != target.data_ptr():  # not already accumulated in place
             target.copy_(param.grad)
-        if not self._ready[index]:  # a second call in one step only refreshes the copy
-            self._ready[index] = True
-            bucket.pending -= 1
-            self._launch_ready()
+        self._ready[index] = True
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _unfinished(self) -> AsyncDistError:
+        return AsyncDistError(
+            f"backward reached the {self._name} on rank {self._lane.rank} before its previous "
+            f"step finished: call `await sync` (or `sync.wait()`) after every backward, before "
+            f"the next one (to accumulate gradients over several backwards, run all but the "
+            f"last inside `with sync.no_sync():`). Nothing of this backward was launched"
+        )
+
+    def _begin(self) -> None:
+        """A synced step starts: launch the buffer broadcast ahead of its
+        buckets (rank 0's buffers as the forward left them; backward does not
+        change buffers, and this copy is what every rank holds afterwards)."""
+        self._phase = _Phase.LAUNCHED
+        if self._options.broadcast_buffers and self._lane.world_size > 1:
+            buffers = [b.data for b in self._module.buffers()]
+            if buffers:
+                self._buffers = self._broadcast(buffers, src=0)
 
     def _launch_ready(self, *, everything: bool = False) -> None:
         """Launch buckets in order while the next one is complete."""
@@ -365,13 +472,18 @@ class GradientSync:
             bucket = self._buckets[self._next_launch]
             if bucket.pending > 0 and not everything:
                 return
-            if bucket.pending > 0:  # no gradient arrived for some parameters
+            if bucket.pending > 0:  # no gradient arrived (this step) for some parameters
                 for slot, param in enumerate(bucket.params):
+                    if self._ready[self._index[id(param)]]:
+                        continue
+                    target = bucket.slot(slot)
                     if param.grad is None:
-                        bucket.slot(slot).zero_()
+                        target.zero_()
+                    elif param.grad.data_ptr() != target.data_ptr():
+                        target.copy_(param.grad)  # accumulated under no_sync() only
             # hooks run on autograd's threads (CUDA) or the caller's: every
             # launch of this object counts as its own, whichever thread runs it
-            with issuing_as(self, self._issuer):
+            with issuing_as(self, self._name):
                 bucket.handle = self._launch(bucket)
             self._next_launch += 1
 
@@ -391,7 +503,13 @@ class GradientSync:
         callers share it). Progress lives on ``self``, so a cancelled await
         resumes where it stopped."""
         if self._order is None:
+            if self._phase is not _Phase.LAUNCHED:
+                self._begin()  # no synced backward this step: reduce what there is
             self._launch_ready(everything=True)
+            self._finishing = True
+            if self._buffers is not None:
+                yield self._buffers  # launched first, so it lands first
+                self._buffers = None
             stepper, clip = self._stepper, self._options.clip_grad_norm
             if stepper is not None and self._parts is None:
                 bucket_of = {
@@ -412,11 +530,11 @@ class GradientSync:
             self._next_launch = self._landed = 0
             self._parts = None
             self._order = self._rank0_order()
-            if self._order is None:
-                return
-        yield self._order
-        order, self._order = self._order, None
-        self._build(order.wait())  # already complete
+        if self._order is not None:  # the step is not over until the rebuild
+            yield self._order
+            order, self._order = self._order, None
+            self._build(order.wait())  # already complete
+        self._phase, self._finishing = _Phase.IDLE, False
 
     def _land(self, bucket: _Bucket) -> None:
         """Point each ``.grad`` at its averaged slot of the bucket (no copy).
@@ -442,7 +560,26 @@ class GradientSync:
         else:
             torch.nn.utils.clip_grad_norm_(self._module.parameters(), clip)
             stepper.step(None)
-        stepper.stepped = True
+        self._stepped = True
+
+    def _guard(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: only the sync steps it."""
+        if optimizer in _STEPPING:
+            return
+        name = type(optimizer).__name__
+        if self._stepped:
+            raise AsyncDistError(
+                f"{name}.step() called after `await sync` already stepped it: "
+                f"gradient_sync(optimizer=...) updates the parameters itself, bucket by "
+                f"bucket; remove the optimizer.step() call"
+            )
+        if self._phase is not _Phase.IDLE:
+            raise AsyncDistError(
+                f"{name}.step() called before the {self._name} finished the step (the "
+                f"gradients are not averaged yet): with gradient_sync(optimizer=...), "
+                f"`await sync` (or `sync.wait()`) runs the update itself; remove the "
+                f"optimizer.step() call"
+            )
 
     def _rank0_order(self) -> Handle[list[int]] | None:
         """After the first step: every rank's bucket order, taken from rank 0's
@@ -454,18 +591,28 @@ class GradientSync:
         order = list(dict.fromkeys(arrivals)) + [
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
-        with issuing_as(self, self._issuer):
+        with issuing_as(self, self._name):
             return self._lane.broadcast_object(order, src=0, allowed=[])
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else self._phase.value
+        return f"<GradientSync of {type(self._module).__name__} {state}>"
+
+    @property
+    def pending(self) -> bool:
+        """True while a synced backward has launched a step that is not yet
+        finished (``await sync`` / ``sync.wait()`` finishes it)."""
+        return self._phase is _Phase.LAUNCHED
 
     def wait(self) -> None:
         """Block until every bucket is reduced and gradients are written back
         (and, with ``optimizer=``, the parameters updated)."""
-        if self._enabled:
+        if self._enabled and not self._removed:
             for handle in self._finish():
                 handle.wait()
 
     async def _wait_async(self) -> None:
-        if self._enabled:
+        if self._enabled and not self._removed:
             for handle in self._finish():
                 await handle
 
@@ -484,14 +631,12 @@ class GradientSync:
         finally:
             self._enabled = previous
 
-    def _broadcast_parameters(self, src: int) -> Handle[None]:
-        """Launch the broadcasts of every parameter and buffer, one flat buffer
-        per dtype; waiting copies the received values back."""
-        tensors = [p.data for p in self._module.parameters()]
-        tensors += [b.data for b in self._module.buffers()]
+    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> Handle[None]:
+        """Launch the broadcasts of ``tensors``, one flat buffer per dtype;
+        waiting copies the received values back (on the waiting thread)."""
         groups = list(_ops.by_dtype(tensors).values())
         flats = [_ops.pack(group, self._lane.device) for group in groups]
-        with issuing_as(self, self._issuer):
+        with issuing_as(self, self._name):
             parts = [self._lane.broadcast(flat, src=src) for flat in flats]
 
         def copy_back(received: list[torch.Tensor]) -> None:
@@ -499,6 +644,11 @@ class GradientSync:
                 _ops.unpack(flat, group)
 
         return combined("broadcast_parameters", parts, copy_back)
+
+    def _broadcast_parameters(self, src: int) -> Handle[None]:
+        tensors = [p.data for p in self._module.parameters()]
+        tensors += [b.data for b in self._module.buffers()]
+        return self._broadcast(tensors, src)
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy every parameter and buffer from rank ``src`` to all ranks,
@@ -513,12 +663,18 @@ class GradientSync:
         await self._broadcast_parameters(src)
 
     def remove(self) -> None:
-        """Take the hooks off the module (and the optimizer). Idempotent."""
+        """Take the hooks off the module (and the optimizer): backward is plain
+        local autograd again. Idempotent; the session calls it when it ends."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._stepper is not None:
-            self._stepper.remove()
+        self._removed = True
+        for param in self._params:
+            if _live(_LIVE_PARAMS, param) is self:
+                del _LIVE_PARAMS[param]
+        optimizer = self._options.optimizer
+        if optimizer is not None and _live(_LIVE_OPTIMIZERS, optimizer) is self:
+            del _LIVE_OPTIMIZERS[optimizer]
 
     def __enter__(self) -> GradientSync:
         return self

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import traceback
+import weakref
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal
@@ -173,6 +174,8 @@ class DistSession(Collectives):
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
         self._channels: dict[str, Channel] = {}
+        # the GradientSyncs made here: their hooks come off when the session ends
+        self._syncs: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 
     @classmethod
     def _over(cls, parent: DistSession, comm: Comm) -> DistSession:
@@ -453,6 +456,17 @@ class DistSession(Collectives):
         purpose, once for the lanes inside this one too."""
         if self._state is not State.OPEN:
             return
+        for sync in list(self._syncs):
+            if sync.pending:
+                logger.warning(
+                    "rank %d: %r ends with the session mid-step: its last backward was "
+                    "never followed by `await sync` / `sync.wait()`, so those gradients were "
+                    "not averaged",
+                    self.rank,
+                    sync,
+                )
+            sync.remove()  # backward after the session is plain local autograd
+        self._syncs.clear()
         if left is not None and self._comm is not None:
             self._comm.leave(finished=left)
         for child in list(self._children):
@@ -595,6 +609,7 @@ class DistSession(Collectives):
         optimizer: torch.optim.Optimizer | None = None,
         compression: Literal["bf16", "fp16"] | None = None,
         clip_grad_norm: float | None = None,
+        broadcast_buffers: bool = True,
     ) -> GradientSync:
         """Average ``module``'s gradients across ranks, overlapped with backward.
 
@@ -621,6 +636,17 @@ class DistSession(Collectives):
         ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)``)
         before the update; the update then waits for the last bucket.
 
+        ``broadcast_buffers``: as DDP's (and on by default): the module's
+        buffers (BatchNorm running statistics, any ``register_buffer``) are
+        rank 0's on every rank once each synced step is finished, so every
+        forward sees the same buffers on every rank. The broadcast is launched
+        with the step's first bucket and waited for with it.
+
+        The sync is safe as DDP: the next backward before the step finished
+        raises, as does a manual ``optimizer.step()`` with ``optimizer=``; a
+        second live sync over the same parameters or optimizer is refused; and
+        when this session ends, the sync's hooks come off the module.
+
         ``compression``: ``"bf16"`` or ``"fp16"`` sends float32/float64
         buckets in that type, pre-divided by the world size, and copies the
         average back in full precision (the numerics of DDP's
@@ -631,6 +657,8 @@ class DistSession(Collectives):
                 compression or clip, or an optimizer that is not a per-parameter
                 ``torch.optim.Optimizer`` over the module's parameters. Raised
                 before anything is launched.
+            AsyncDistError: a live GradientSync already covers one of the
+                module's parameters, or the optimizer.
         """
         self._lane("gradient_sync")
         options = Options.checked(
@@ -641,9 +669,12 @@ class DistSession(Collectives):
             optimizer=optimizer,
             compression=compression,
             clip_grad_norm=clip_grad_norm,
+            broadcast_buffers=broadcast_buffers,
         )
         lane = self.channel(GRADIENTS) if channel is None else channel
-        return GradientSync(lane, module, options)
+        sync = GradientSync(lane, module, options)
+        self._syncs.add(sync)
+        return sync
 
     # -- tracing ------------------------------------------------------------------------
 

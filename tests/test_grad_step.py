@@ -151,13 +151,13 @@ def _manual_step_after_overlap(s: DistSession) -> str:
         opt.zero_grad()
         model(torch.ones(1, 2)).sum().backward()
         sync.wait()  # the guard re-arms per step: the next step is taken normally
-        for hook in sync._hooks:  # its module hooks off, its optimizer guard kept
-            hook.remove()
+        sync.remove()
         # a new sync over the same optimizer steps it without tripping the
-        # first one's guard (that one has just stepped)
+        # first one's guard (that one had just stepped)
         again = s.gradient_sync(model, optimizer=opt)
         model(torch.ones(1, 2)).sum().backward()
         again.wait()
+        again.remove()
     return message
 
 

@@ -1,0 +1,357 @@
+"""gradient_sync is as safe as DDP: no step a user can forget silently.
+
+Each trap raises on the rank that falls into it, before anything of the
+offending backward is launched; buffers agree with rank 0's after every
+synced step; and a sync's hooks end with its session.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncdist import AsyncDistError, DistSession, spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class BNNet(torch.nn.Module):
+    """An MLP with BatchNorm (running statistics are buffers) and a buffer
+    of another dtype (``num_batches_tracked`` is int64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.c = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.bn(self.a(x))))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    # each rank's inputs have their own scale and shift: local BatchNorm
+    # statistics differ from rank to rank
+    x = torch.randn(8, 6, generator=g) * (1 + rank) + rank
+    return x, torch.randint(0, 3, (8,), generator=g)
+
+
+def _loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = _batch(rank, step)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _local_grads(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    _loss(ref, rank, step).backward()
+    return [p.grad.clone() for p in ref.parameters() if p.grad is not None]
+
+
+def _same_everywhere(s: DistSession, tensors: list[torch.Tensor]) -> bool:
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    gathered = s.all_gather(flat).wait()
+    return all(torch.equal(gathered[0], other) for other in gathered[1:])
+
+
+async def _wait(sync: Any, how: str) -> None:
+    if how == "sync":
+        sync.wait()
+    else:
+        await sync
+
+
+# -- a forgotten `await sync` ------------------------------------------------------------
+
+
+async def _forgotten_await(s: DistSession, how: str) -> dict[str, Any]:
+    torch.manual_seed(s.rank)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = s.gradient_sync(model, bucket_mb=0.0005, first_bucket_mb=0.0002)
+    await sync.broadcast_parameters_async()
+    out: dict[str, Any] = {}
+    expected = _local_grads(model, s.rank, 0)
+    _loss(model, s.rank, 0).backward()
+    opt.zero_grad()  # the user forgot `await sync` here
+    try:
+        _loss(model, s.rank, 1).backward()
+    except AsyncDistError as exc:
+        out["error"] = str(exc)
+    # the error left step 0 intact: finishing it now gives step 0's average
+    await _wait(sync, how)
+    everyone = [s.all_gather(g).wait() for g in expected]
+    out["step0_is_the_average"] = all(
+        torch.allclose(p.grad, sum(per_rank) / s.world_size, atol=1e-6)
+        for p, per_rank in zip(
+            [p for p in model.parameters() if p.grad is not None], everyone, strict=True
+        )
+    )
+    # ... and training goes on normally
+    for step in range(2, 5):
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        _loss(model, s.rank, step).backward()
+        await _wait(sync, how)
+        opt.step()
+    out["replicas_agree"] = _same_everywhere(s, list(model.parameters()))
+    # a second backward in one step, without no_sync, is the same mistake
+    _loss(model, s.rank, 5).backward()
+    try:
+        _loss(model, s.rank, 6).backward()
+    except AsyncDistError as exc:
+        out["double_backward"] = str(exc)
+    # and so is a no_sync backward while the step's buckets may be on the wire
+    with sync.no_sync():
+        try:
+            _loss(model, s.rank, 7).backward()
+        except AsyncDistError as exc:
+            out["no_sync_in_flight"] = str(exc)
+    await _wait(sync, how)
+    # accumulation done right still works: no_sync first, then the synced backward
+    opt.zero_grad()
+    with sync.no_sync():
+        _loss(model, s.rank, 8).backward()
+    _loss(model, s.rank, 9).backward()
+    await _wait(sync, how)
+    out["accumulated_agree"] = _same_everywhere(s, [p.grad for p in model.parameters()])
+    sync.remove()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "how", "backend"),
+    [(2, "sync", "asyncio"), (3, "sync", "asyncio"), (2, "await", "asyncio"), (3, "await", "trio")],
+)
+def test_a_forgotten_await_raises_at_the_next_backward(world: int, how: str, backend: str) -> None:
+    results = spawn(
+        _forgotten_await,
+        world,
+        args=(how,),
+        timeout=60,
+        async_backend=backend,
+        channels=["gradients"],
+    )
+    for rank, r in enumerate(results):
+        for key in ("error", "double_backward", "no_sync_in_flight"):
+            assert "before its previous step finished" in r.get(key, ""), (rank, key, r)
+            assert "`await sync`" in r[key]
+            assert f"on rank {rank}" in r[key]
+        assert r["step0_is_the_average"], rank
+        assert r["replicas_agree"], rank
+        assert r["accumulated_agree"], rank
+
+
+def _manual_steps(s: DistSession) -> dict[str, str]:
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    out: dict[str, str] = {}
+    with s.gradient_sync(model, optimizer=opt) as sync:
+        _loss(model, s.rank, 0).backward()
+        try:
+            opt.step()  # before the sync averaged anything: a silent divergence
+        except AsyncDistError as exc:
+            out["before"] = str(exc)
+        sync.wait()
+        try:
+            opt.step()
+        except AsyncDistError as exc:
+            out["after"] = str(exc)
+        opt.zero_grad()
+        with sync.no_sync():
+            _loss(model, s.rank, 1).backward()
+            try:
+                opt.step()  # local gradients only
+            except AsyncDistError as exc:
+                out["no_sync"] = str(exc)
+        _loss(model, s.rank, 2).backward()
+        sync.wait()
+        out["agree"] = str(_same_everywhere(s, list(model.parameters())))
+    opt.step()  # the sync is gone: the optimizer is the user's again
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_manual_step_with_step_overlap_is_refused_before_and_after(world: int) -> None:
+    for r in spawn(_manual_steps, world, timeout=60, channels=["gradients"]):
+        assert "before the" in r["before"], r
+        assert "finished the step" in r["before"], r
+        assert "finished the step" in r["no_sync"], r
+        assert "already stepped" in r["after"], r
+        assert r["agree"] == "True"
+
+
+# -- one live sync per parameter and optimizer ---------------------------------------------
+
+
+def test_a_second_live_sync_over_the_same_parameters_or_optimizer_is_refused() -> None:
+    def run() -> list[str]:
+        model = BNNet()
+        other = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+        messages = []
+        with DistSession() as s:
+            first = s.gradient_sync(model, optimizer=opt)
+            for make in (
+                lambda: s.gradient_sync(model),
+                lambda: s.gradient_sync(model.c),
+                lambda: s.gradient_sync(other, optimizer=opt),
+            ):
+                with pytest.raises(AsyncDistError) as info:
+                    make()
+                messages.append(str(info.value))
+            first.remove()
+            s.gradient_sync(model, optimizer=opt).remove()  # free again
+        return messages
+
+    messages = run()
+    assert "parameter 'a.weight' of BNNet already has a live gradient_sync of BNNet" in messages[0]
+    assert "parameter 'weight' of Linear already has a live gradient_sync of BNNet" in messages[1]
+    assert "SGD already steps under a live gradient_sync of BNNet" in messages[2]
+    assert all("remove()" in m for m in messages)
+
+
+# -- hooks end with their session -----------------------------------------------------------
+
+
+async def _sessions_one_after_another(s: DistSession, how: str) -> dict[str, Any]:
+    torch.manual_seed(s.rank)
+    model = BNNet()
+    sync = s.gradient_sync(model)
+    await sync.broadcast_parameters_async()
+    _loss(model, s.rank, 0).backward()
+    await _wait(sync, how)
+    await s.aclose()
+    out: dict[str, Any] = {}
+    # after the session: plain local autograd
+    expected = _local_grads(model, s.rank, 1)
+    model.zero_grad(set_to_none=True)
+    _loss(model, s.rank, 1).backward()
+    out["local_after"] = all(
+        torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True)
+    )
+    # sessions one after another over the same ranks (the launch environment);
+    # one ended by an exception detaches too
+    try:
+        async with DistSession(channels=["gradients"]) as solo:
+            solo.gradient_sync(model)
+            raise KeyError("user error")
+    except KeyError:
+        pass
+    model.zero_grad(set_to_none=True)
+    _loss(model, s.rank, 1).backward()
+    out["local_after_error"] = all(
+        torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True)
+    )
+    # ... and one ended by cancellation
+    with anyio.move_on_after(0.2):
+        async with DistSession(channels=["gradients"]) as solo:
+            solo.gradient_sync(model)
+            await anyio.sleep(30)
+    model.zero_grad(set_to_none=True)
+    _loss(model, s.rank, 1).backward()
+    out["local_after_cancel"] = all(
+        torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True)
+    )
+    # and the model can get a new sync in a new session
+    async with DistSession(channels=["gradients"]) as again:
+        fresh = again.gradient_sync(model)
+        model.zero_grad(set_to_none=True)
+        _loss(model, s.rank, 2).backward()
+        await _wait(fresh, how)
+        out["fresh_works"] = all(p.grad is not None for p in model.parameters())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "how", "backend"),
+    [(2, "sync", "asyncio"), (3, "await", "asyncio"), (2, "await", "trio")],
+)
+def test_hooks_come_off_when_the_session_ends(world: int, how: str, backend: str) -> None:
+    results = spawn(
+        _sessions_one_after_another,
+        world,
+        args=(how,),
+        timeout=60,
+        async_backend=backend,
+        channels=["gradients"],
+    )
+    for r in results:
+        assert r == {
+            "local_after": True,
+            "local_after_error": True,
+            "local_after_cancel": True,
+            "fresh_works": True,
+        }
+
+
+# -- buffers follow rank 0, as with DDP's broadcast_buffers ----------------------------------
+
+
+async def _buffers(s: DistSession, how: str, broadcast: bool) -> dict[str, Any]:
+    torch.manual_seed(s.rank)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sync = s.gradient_sync(model, broadcast_buffers=broadcast)
+    await sync.broadcast_parameters_async()
+    agreed = []
+    for step in range(4):
+        opt.zero_grad()
+        if step == 2:  # accumulation: the no_sync micro-batch changes buffers too
+            with sync.no_sync():
+                _loss(model, s.rank, 100 + step).backward()
+        _loss(model, s.rank, step).backward()
+        await _wait(sync, how)
+        opt.step()
+        buffers = list(model.buffers())
+        agreed.append(_same_everywhere(s, buffers))
+    # evaluation after training sees the same statistics on every rank
+    model.eval()
+    with torch.inference_mode():
+        out = model(_batch(0, 99)[0])
+    sync.remove()
+    return {
+        "agreed": agreed,
+        "eval_agrees": _same_everywhere(s, [out]),
+        "params_agree": _same_everywhere(s, list(model.parameters())),
+        "tracked": int(model.bn.num_batches_tracked),
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "how", "backend"),
+    [(2, "sync", "asyncio"), (3, "await", "asyncio"), (2, "await", "trio")],
+)
+def test_buffers_are_rank_0s_after_every_step(world: int, how: str, backend: str) -> None:
+    results = spawn(
+        _buffers,
+        world,
+        args=(how, True),
+        timeout=60,
+        async_backend=backend,
+        channels=["gradients"],
+    )
+    for r in results:
+        assert r["agreed"] == [True] * 4
+        assert r["eval_agrees"]
+        assert r["params_agree"]
+        # rank 0's count after the last synced step's forward: 5 forwards in
+        # all, of which the broadcast at the last step carried 5
+        assert r["tracked"] == 5
+
+
+def test_broadcast_buffers_false_keeps_each_ranks_own() -> None:
+    results = spawn(_buffers, 2, args=("sync", False), timeout=60, channels=["gradients"])
+    for r in results:
+        assert r["agreed"] == [False] * 4  # the statistics drift apart, as they would
+        assert r["params_agree"]
+
+
+def test_broadcast_buffers_must_be_a_bool() -> None:
+    with DistSession() as s, pytest.raises(TypeError, match="broadcast_buffers must be True"):
+        s.gradient_sync(BNNet(), broadcast_buffers="yes")  # type: ignore[arg-type]
