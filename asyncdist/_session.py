@@ -457,7 +457,7 @@ class DistSession(Collectives):
         if self._state is not State.OPEN:
             return
         for sync in list(self._syncs):
-            if sync.pending:
+            if sync.pending and left:  # (after an exception, that is the news)
                 logger.warning(
                     "rank %d: %r ends with the session mid-step: its last backward was "
                     "never followed by `await sync` / `sync.wait()`, so those gradients were "

@@ -355,3 +355,14 @@ def test_broadcast_buffers_false_keeps_each_ranks_own() -> None:
 def test_broadcast_buffers_must_be_a_bool() -> None:
     with DistSession() as s, pytest.raises(TypeError, match="broadcast_buffers must be True"):
         s.gradient_sync(BNNet(), broadcast_buffers="yes")  # type: ignore[arg-type]
+
+
+def test_a_session_that_ends_mid_step_names_the_sync(caplog: pytest.LogCaptureFixture) -> None:
+    model = BNNet()
+    with DistSession() as s:
+        sync = s.gradient_sync(model)
+        _loss(model, 0, 0).backward()  # and no `await sync` before leaving
+        assert sync.pending
+    assert repr(sync) == "<GradientSync of BNNet removed>"  # the session took it off
+    assert "ends with the session mid-step" in caplog.text
+    assert "GradientSync of BNNet" in caplog.text
