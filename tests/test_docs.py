@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+from asyncdist import DistSession, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -48,6 +53,84 @@ def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
     assert done.returncode == 0, f"{where} failed:\n{done.stdout}\n{done.stderr}"
     # an example teaches what to write: it must not make torch or asyncdist warn
     assert "Warning:" not in done.stderr, f"{where} warns:\n{done.stderr}"
+
+
+# The from-ddp guide's port of PyTorch's DDP tutorial, as a module the ranks import
+PORT = "from_ddp_port"
+
+
+def _ddp_tutorial(
+    s: DistSession,
+    save_every: int = 1,
+    total_epochs: int = 3,
+    batch_size: int = 32,
+    snapshot_path: str = "snapshot.pt",
+) -> dict[str, torch.Tensor]:
+    """The tutorial's own loop (multigpu_torchrun.py) with DDP, on the port's
+    data, model and optimizer, over the session's group (torch's default)."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    port = importlib.import_module(PORT)
+    dataset, model, optimizer = port.load_train_objs()
+    train_data = port.prepare_dataloader(dataset, batch_size)
+    epochs_run = 0
+    if os.path.exists(snapshot_path):
+        snapshot = torch.load(snapshot_path)
+        model.load_state_dict(snapshot["MODEL_STATE"])
+        optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        epochs_run = snapshot["EPOCHS_RUN"]
+    ddp = DDP(model)
+    for epoch in range(epochs_run, total_epochs):
+        train_data.sampler.set_epoch(epoch)
+        for source, targets in train_data:
+            optimizer.zero_grad()
+            F.cross_entropy(ddp(source), targets).backward()
+            optimizer.step()
+        if s.rank == 0 and epoch % save_every == 0:
+            snapshot = {
+                "MODEL_STATE": ddp.module.state_dict(),
+                "OPTIMIZER_STATE": optimizer.state_dict(),
+                "EPOCHS_RUN": epoch + 1,
+            }
+            torch.save(snapshot, snapshot_path)
+    # DDP hands rank 0's buffers over at the next forward (gradient_sync when
+    # the step finishes): an eval forward takes them without updating them
+    ddp.eval()
+    with torch.no_grad():
+        ddp(dataset[:2][0])
+    return model.state_dict()
+
+
+def _stopped_and_resumed(s: DistSession, which: str, folder: str) -> dict[str, torch.Tensor]:
+    """Two epochs, a snapshot on rank 0; then a fresh start that resumes from
+    it, to four."""
+    run: Any = importlib.import_module(PORT).main if which == "asyncdist" else _ddp_tutorial
+    path = os.path.join(folder, "snapshot.pt")
+    run(s, total_epochs=2, snapshot_path=path)
+    s.barrier().wait()  # rank 0 has written the snapshot
+    return dict(run(s, total_epochs=4, snapshot_path=path))
+
+
+@pytest.mark.timeout(150)
+def test_the_ddp_tutorial_port_trains_as_ddp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The from-ddp guide's port and the DDP tutorial it ports end with the
+    same parameters and buffers on every rank, bit for bit (2 ranks)."""
+    page = ROOT / "docs" / "guides" / "from-ddp.md"
+    [port] = [code for code in BLOCK.findall(page.read_text()) if "class Trainer" in code]
+    (tmp_path / f"{PORT}.py").write_text(port)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawn's ranks inherit sys.path
+    results = {}
+    for which in ("asyncdist", "ddp"):
+        (tmp_path / which).mkdir()
+        results[which] = spawn(_stopped_and_resumed, 2, args=(which, str(tmp_path / which)))
+    for rank, (ours, theirs) in enumerate(zip(results["asyncdist"], results["ddp"], strict=True)):
+        assert list(ours) == list(theirs), "the same state_dict keys (no 'module.' prefix)"
+        assert any("running_mean" in key for key in ours), "a model with buffers"
+        for key, value in ours.items():
+            assert torch.equal(value, theirs[key]), f"rank {rank}: {key} differs from DDP's"
 
 
 def test_guides_quote_no_benchmark_figures_of_their_own() -> None:
