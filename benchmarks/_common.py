@@ -41,13 +41,40 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
-def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    from rich.console import Console
+SMOKE_CAPTION = "smoke run (--quick): goals shown, not judged"
+
+
+def judged(met: bool, smoke: bool) -> str:
+    """ "ok" or "MISSED"; nothing on a smoke run, whose few repetitions cannot
+    tell a miss from noise."""
+    return "" if smoke else "ok" if met else "MISSED"
+
+
+def verdict(goal: str, met: bool, smoke: bool) -> str:
+    """A goal's table cell: the goal and ``judged``'s word (the goal alone on a smoke run)."""
+    return f"{goal} {judged(met, smoke)}".rstrip()
+
+
+def table(title: str, columns: list[str], rows: list[list[str]], *, smoke: bool = False) -> Any:
+    """A rich Table of right-aligned columns; a smoke run's says so in its caption.
+
+    Keep titles, headers and cells short enough for the whole table to fit
+    80 columns (tests/test_cli.py renders every benchmark's table at that
+    width): rich shortens a cell that does not fit to "…", hiding figures.
+    """
     from rich.table import Table
 
-    table = Table(title=title)
+    out = Table(title=title, caption=SMOKE_CAPTION if smoke else None)
     for column in columns:
-        table.add_column(column, justify="right")
+        out.add_column(column, justify="right")
     for row in rows:
-        table.add_row(*row)
-    Console().print(table)
+        out.add_row(*row)
+    return out
+
+
+def print_table(
+    title: str, columns: list[str], rows: list[list[str]], *, smoke: bool = False
+) -> None:
+    from rich.console import Console
+
+    Console().print(table(title, columns, rows, smoke=smoke))

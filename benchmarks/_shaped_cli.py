@@ -17,14 +17,13 @@ def main(
     name: str,
     doc: str,
     options: dict[str, Any],
-    summarize: Callable[
-        [list[dict[str, Any]], dict[str, Any]], tuple[list[str], list[list[str]], dict[str, Any]]
-    ],
+    summarize: Callable[..., tuple[list[str], list[list[str]], dict[str, Any]]],
     argv: list[str] | None = None,
 ) -> int:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rate", default="1gbit", choices=sorted(RATES))
     parser.add_argument("--reps", type=int, default=options.get("reps", 10))
+    parser.add_argument("--smoke", action="store_true", help="a smoke run: goals not judged")
     args = parser.parse_args(argv)
     missing = _netns.require()
     if missing:
@@ -33,12 +32,16 @@ def main(
     opts = dict(options, reps=args.reps, rate_bits=RATES[args.rate])
     with _netns.ShapedLink(args.rate) as link:
         results = link.run(name, opts)
-    columns, rows, summary = summarize(results, opts)
-    _common.print_table(
-        f"{name}: 2 ranks, two namespaces, veth shaped to {args.rate} (tbf)", columns, rows
-    )
+    columns, rows, summary = summarize(results, opts, smoke=args.smoke)
+    _common.print_table(title(name, args.rate), columns, rows, smoke=args.smoke)
     path = _common.write_json(
-        name, {"rate": args.rate, "options": opts, "ranks": results, **summary}
+        name,
+        {"rate": args.rate, "options": opts, "ranks": results, "smoke": args.smoke, **summary},
     )
     print(f"wrote {path}")
     return 0
+
+
+def title(name: str, rate: str) -> str:
+    """The title of a shaped-link benchmark's table."""
+    return f"{name}: 2 ranks, two namespaces, veth shaped to {rate} (tbf)"

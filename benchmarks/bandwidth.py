@@ -14,11 +14,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common
 import _shaped_cli
 
 
 def summarize(
-    results: list[dict[str, Any]], opts: dict[str, Any]
+    results: list[dict[str, Any]], opts: dict[str, Any], smoke: bool = False
 ) -> tuple[list[str], list[list[str]], dict[str, Any]]:
     rows = [
         [
@@ -31,7 +32,7 @@ def summarize(
         for rank, r in enumerate(results)
     ]
     efficiency = min(r["efficiency"] for r in results)
-    rows.append(["goal", "", "", "", f">= 0.90 {'ok' if efficiency >= 0.9 else 'MISSED'}"])
+    rows.append(["goal", "", "", "", _common.verdict(">= 0.90", efficiency >= 0.9, smoke)])
     return (
         ["rank", "size", "median ms", "line-rate bound ms", "fraction of line rate"],
         rows,

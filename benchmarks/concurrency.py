@@ -8,7 +8,7 @@ on loopback (two local gloo ranks) and, with root and ``tc``, on a
 tbf-shaped veth link between two network namespaces. Goal (issue 12): own
 channel <= 2x idle; bulk throughput kept >= 0.95.
 
-    python benchmarks/concurrency.py [--reps 10] [--mib 64] [--no-shaped]
+    python benchmarks/concurrency.py [--reps 10] [--mib 64] [--no-shaped] [--smoke]
 """
 
 from __future__ import annotations
@@ -46,12 +46,33 @@ def _row(where: str, r: dict[str, Any]) -> list[str]:
     ]
 
 
+def summarize(
+    results: dict[str, Any], mib: int, smoke: bool = False
+) -> tuple[str, list[str], list[list[str]], dict[str, Any]]:
+    """Rank 0's figures per link -> the table's title, columns and rows, and
+    the JSON summary (the worst link against the goals; ``smoke`` recorded)."""
+    rows = [_row(where, r) for where, r in results.items()]
+    worst_latency = max(r["own_channel_x_idle"] for r in results.values())
+    worst_kept = min(r["bulk_throughput_kept"] for r in results.values())
+    summary = {
+        "own_channel_x_idle_worst": worst_latency,
+        "bulk_throughput_kept_worst": worst_kept,
+        "goals": {"own_channel_x_idle": GOAL_LATENCY, "bulk_throughput_kept": GOAL_THROUGHPUT},
+        "met": worst_latency <= GOAL_LATENCY and worst_kept >= GOAL_THROUGHPUT,
+        "smoke": smoke,
+    }
+    title = f"a 4 B allreduce while a {mib} MiB allreduce is in flight (2 gloo ranks)"
+    columns = ["link", "idle ms", "same lane", "own channel", "bulk Gb/s", "bulk kept"]
+    return title, columns, rows, summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--no-shaped", action="store_true", help="loopback only")
+    parser.add_argument("--smoke", action="store_true", help="a smoke run: goals not judged")
     args = parser.parse_args(argv)
     import asyncdist
 
@@ -66,20 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with _netns.ShapedLink(args.rate) as link:
             results[f"shaped {args.rate}"] = link.run("concurrency", options)[0]
-    rows = [_row(where, r) for where, r in results.items()]
-    _common.print_table(
-        f"a 4 B allreduce while a {args.mib} MiB allreduce is in flight (2 gloo ranks)",
-        ["link", "idle 4 B ms", "same lane", "own channel", "bulk Gbit/s", "bulk kept"],
-        rows,
-    )
-    worst_latency = max(r["own_channel_x_idle"] for r in results.values())
-    worst_kept = min(r["bulk_throughput_kept"] for r in results.values())
-    summary = {
-        "own_channel_x_idle_worst": worst_latency,
-        "bulk_throughput_kept_worst": worst_kept,
-        "goals": {"own_channel_x_idle": GOAL_LATENCY, "bulk_throughput_kept": GOAL_THROUGHPUT},
-        "met": worst_latency <= GOAL_LATENCY and worst_kept >= GOAL_THROUGHPUT,
-    }
+    title, columns, rows, summary = summarize(results, args.mib, args.smoke)
+    _common.print_table(title, columns, rows)
     path = _common.write_json("concurrency", {"options": options, "links": results, **summary})
     print(f"wrote {path}")
     return 0

@@ -41,6 +41,17 @@ def _rank(session: Any, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def summarize(
+    times: dict[str, list[float]],
+) -> tuple[str, list[str], list[list[str]], dict[str, Any]]:
+    """Rank 0's timings -> the table's title, columns and rows, and the JSON payload."""
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    rows = [["off", f"{off * 1e6:.0f}", ""], ["on", f"{on * 1e6:.0f}", f"{(on - off) * 1e6:.0f}"]]
+    payload = {"off_s": off, "on_s": on, "added_s": on - off, "samples": times}
+    title = "debug=True: cost per collective (1 KiB allreduce, 2 gloo ranks)"
+    return title, ["debug", "µs per allreduce", "added µs"], rows, payload
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -48,15 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     import asyncdist
 
     times = asyncdist.spawn(_rank, 2, args=(args.rounds,), timeout=300)[0]
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    _common.print_table(
-        "debug=True: cost per collective (1 KiB allreduce, 2 gloo ranks)",
-        ["debug", "µs per allreduce", "added µs"],
-        [["off", f"{off * 1e6:.0f}", ""], ["on", f"{on * 1e6:.0f}", f"{(on - off) * 1e6:.0f}"]],
-    )
-    path = _common.write_json(
-        "debug_cost", {"off_s": off, "on_s": on, "added_s": on - off, "samples": times}
-    )
+    title, columns, rows, payload = summarize(times)
+    _common.print_table(title, columns, rows)
+    path = _common.write_json("debug_cost", payload)
     print(f"wrote {path}")
     return 0
 

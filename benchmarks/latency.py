@@ -12,7 +12,7 @@ backend; each op is timed alone and the figure is the per-op median, the
 ratio method / raw from the same run. Goal (issue 4): <= 1.05x
 for <= 64 KiB, <= 1.02x for >= 1 MiB.
 
-    python benchmarks/latency.py [--reps N] [--max-mib 64]
+    python benchmarks/latency.py [--reps N] [--max-mib 64] [--smoke]
 """
 
 from __future__ import annotations
@@ -66,20 +66,14 @@ def _rank(session: Any, reps: int, sizes: list[int]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--reps", type=int, default=300, help="ops per method and size (fewer for big sizes)"
-    )
-    parser.add_argument("--max-mib", type=float, default=64)
-    args = parser.parse_args(argv)
-    import asyncdist
-
-    sizes = [s for s in SIZES if s <= args.max_mib * (1 << 20)]
-    results = asyncdist.spawn(_rank, 2, args=(args.reps, sizes), timeout=600)
+def summarize(
+    results: dict[str, Any], sizes: list[int], smoke: bool = False
+) -> tuple[str, list[str], list[list[str]], list[dict[str, Any]]]:
+    """Rank 0's timings per size -> the table's title, columns and rows, and
+    the JSON rows (medians, ratios to raw, goal met)."""
     rows, table = [], []
     for size in sizes:
-        runs = results[0][str(size)]
+        runs = results[str(size)]
         med = {
             "raw": _common.median(runs["asyncio"]["raw"] + runs["trio"]["raw"]),
             "wait": _common.median(runs["asyncio"]["wait"] + runs["trio"]["wait"]),
@@ -98,14 +92,31 @@ def main(argv: list[str] | None = None) -> int:
         table.append(
             [_common.human_bytes(size), f"{med['raw'] * 1e6:.0f}"]
             + [f"{ratios[m]:.3f}" for m in ("wait", "asyncio", "trio")]
-            + ["-" if goal is None else f"<= {goal} {'ok' if met else 'MISSED'}"]
+            + ["-" if goal is None else _common.verdict(f"<= {goal}", met, smoke)]
         )
-    _common.print_table(
+    return (
         "allreduce: asyncdist / raw work.wait(), 2 gloo ranks, per-op medians (interleaved)",
         ["size", "raw µs", "wait ×", "asyncio ×", "trio ×", "goal"],
         table,
+        rows,
     )
-    path = _common.write_json("latency", {"reps": args.reps, "rows": rows})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--reps", type=int, default=300, help="ops per method and size (fewer for big sizes)"
+    )
+    parser.add_argument("--max-mib", type=float, default=64)
+    parser.add_argument("--smoke", action="store_true", help="a smoke run: goals not judged")
+    args = parser.parse_args(argv)
+    import asyncdist
+
+    sizes = [s for s in SIZES if s <= args.max_mib * (1 << 20)]
+    results = asyncdist.spawn(_rank, 2, args=(args.reps, sizes), timeout=600)
+    title, columns, table, rows = summarize(results[0], sizes, args.smoke)
+    _common.print_table(title, columns, table, smoke=args.smoke)
+    path = _common.write_json("latency", {"reps": args.reps, "smoke": args.smoke, "rows": rows})
     print(f"wrote {path}")
     return 0
 

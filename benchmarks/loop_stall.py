@@ -122,6 +122,21 @@ async def _case(session: Any, case: str, late: float) -> float:
     return stall
 
 
+def summarize(
+    stalls: dict[str, list[float]], late: float, rounds: int, version: str
+) -> tuple[str, list[str], list[list[str]]]:
+    """The stalls per call (s) -> the table's title, columns and rows."""
+    rows = [
+        [case, f"{max(values) * 1e3:.1f}", f"{_common.median(values) * 1e3:.1f}"]
+        for case, values in stalls.items()
+    ]
+    title = (
+        f"longest event-loop stall while the peer is {late:g} s late "
+        f"(asyncdist {version}, {rounds} rounds)"
+    )
+    return title, ["call", "max stall (ms)", "median (ms)"], rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--late", type=float, default=1.0)
@@ -134,16 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in CASES:
             result = asyncdist.spawn(_case, 2, args=(case, args.late), timeout=60)
             stalls[case].append(result[0])
-    rows = [
-        [case, f"{max(values) * 1e3:.1f}", f"{_common.median(values) * 1e3:.1f}"]
-        for case, values in stalls.items()
-    ]
-    _common.print_table(
-        f"longest event-loop stall while the peer is {args.late:g} s late "
-        f"(asyncdist {asyncdist.__version__}, {args.rounds} rounds)",
-        ["call", "max stall (ms)", "median (ms)"],
-        rows,
-    )
+    title, columns, rows = summarize(stalls, args.late, args.rounds, asyncdist.__version__)
+    _common.print_table(title, columns, rows)
     path = _common.write_json("loop_stall", {"late_s": args.late, "stalls_s": stalls})
     print(f"wrote {path}")
     return 0

@@ -16,11 +16,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common
 import _shaped_cli
 
 
 def summarize(
-    results: list[dict[str, Any]], opts: dict[str, Any]
+    results: list[dict[str, Any]], opts: dict[str, Any], smoke: bool = False
 ) -> tuple[list[str], list[list[str]], dict[str, Any]]:
     rows = [
         [
@@ -34,7 +35,7 @@ def summarize(
         for rank, r in enumerate(results)
     ]
     efficiency = min(r["efficiency"] for r in results)
-    rows.append(["goal", "", "", "", "", f">= 0.95 {'ok' if efficiency >= 0.95 else 'MISSED'}"])
+    rows.append(["goal", "", "", "", "", _common.verdict(">= 0.95", efficiency >= 0.95, smoke)])
     columns = ["rank", "comm ms", "compute ms", "sequential ms", "overlapped ms", "efficiency"]
     return columns, rows, {"efficiency": efficiency, "goal": 0.95, "met": efficiency >= 0.95}
 

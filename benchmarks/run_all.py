@@ -7,6 +7,11 @@
 The shaped-link benchmarks (overlap, bandwidth, ddp) need root, ``ip`` and
 ``tc``; without them they say so, the others still run, and the exit status
 is non-zero. Nothing is faked.
+
+Plots (latency, overlap, ddp) are drawn for the benchmarks this run ran,
+with matplotlib, the ``bench`` extra (``pip install 'asyncdist[bench]'``);
+without it they are skipped with a notice. ``--quick`` is a smoke run: its
+tables show the goals without judging them.
 """
 
 from __future__ import annotations
@@ -32,24 +37,36 @@ import overlap  # noqa: E402
 
 from asyncdist.__main__ import add_bench_arguments  # noqa: E402  (the options, defined once)
 
+# name: (main, its arguments, its arguments under --quick, a smoke run)
 SUITE = {
-    "latency": (latency.main, ["--reps", "300"], ["--reps", "60", "--max-mib", "16"]),
-    "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5"]),
+    "latency": (latency.main, ["--reps", "300"], ["--reps", "60", "--max-mib", "16", "--smoke"]),
+    "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5", "--smoke"]),
     "debug_cost": (debug_cost.main, ["--rounds", "7"], ["--rounds", "3"]),
     "loop_stall": (loop_stall.main, ["--rounds", "3"], ["--rounds", "1"]),
-    "concurrency": (concurrency.main, ["--reps", "10"], ["--reps", "4", "--no-shaped"]),
+    "concurrency": (
+        concurrency.main,
+        ["--reps", "10"],
+        ["--reps", "4", "--no-shaped", "--smoke"],
+    ),
     "overlap": (
         lambda a: _shaped(overlap, "overlap", {"mib": 4, "reps": 15}, a),
         ["--reps", "15"],
-        ["--reps", "5"],
+        ["--reps", "5", "--smoke"],
     ),
     "bandwidth": (
         lambda a: _shaped(bandwidth, "bandwidth", {"mib": 64, "reps": 5}, a),
         ["--reps", "5"],
-        ["--reps", "3"],
+        ["--reps", "3", "--smoke"],
     ),
-    "ddp": (lambda a: _shaped(ddp, "ddp", ddp.OPTIONS, a), ["--reps", "12"], ["--reps", "4"]),
+    "ddp": (
+        lambda a: _shaped(ddp, "ddp", ddp.OPTIONS, a),
+        ["--reps", "12"],
+        ["--reps", "4", "--smoke"],
+    ),
 }
+
+BENCH_EXTRA = "pip install 'asyncdist[bench]'"
+SMOKE_NOTE = "smoke run (--quick): the figures are not comparable with the goals"
 
 
 def _shaped(module: object, name: str, options: dict[str, object], argv: list[str]) -> int:
@@ -58,71 +75,92 @@ def _shaped(module: object, name: str, options: dict[str, object], argv: list[st
     return _shaped_cli.main(name, module.__doc__ or "", options, module.summarize, argv)  # type: ignore[attr-defined]
 
 
-def plot() -> list[Path]:
-    """Latency ratios by size, and one overlapped step's timeline."""
+def plot(ran: list[str]) -> list[Path]:
+    """The plots of the benchmarks in ``ran`` (results of this run only):
+    latency ratios by size, one overlapped step's timeline, ddp's step-time
+    breakdown.
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``bench`` extra).
+    """
+    drawn = [name for name in ("latency", "overlap", "ddp") if name in ran]
+    if not drawn:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    lat = _common.RESULTS / "latency.json"
-    if lat.exists():
-        rows = json.loads(lat.read_text())["rows"]
-        labels = [_common.human_bytes(r["bytes"]) for r in rows]
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        width = 0.25
-        for i, method in enumerate(("wait", "asyncio", "trio")):
-            ax.bar(
-                [x + (i - 1) * width for x in range(len(rows))],
-                [r["ratio"][method] for r in rows],
-                width,
-                label=f"{method} / raw",
-            )
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.axhline(1.05, color="grey", linestyle="--", linewidth=0.8, label="goal <= 64 KiB")
-        ax.set_xticks(range(len(rows)), labels)
-        ax.set_ylabel("time / raw work.wait()")
-        ax.set_title("allreduce latency, 2 gloo ranks (median per op)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = _common.RESULTS / "latency.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    ovl = _common.RESULTS / "overlap.json"
-    if ovl.exists():
-        data = json.loads(ovl.read_text())
-        tl = data["ranks"][0]["timeline"]
-        comm = data["ranks"][0]["comm_s"]
-        seq = data["ranks"][0]["sequential_s"]
-        fig, ax = plt.subplots(figsize=(7, 2.6))
-        ms = 1e3
-        ax.broken_barh(
-            [(0, comm * ms), (comm * ms, (seq - comm) * ms)],
-            (20, 8),
-            facecolors=("tab:blue", "tab:orange"),
+    if "latency" in drawn:
+        written.append(
+            plot_latency(plt, json.loads((_common.RESULTS / "latency.json").read_text()))
         )
-        ax.broken_barh([(0, tl["comm_done"] * ms)], (9, 4), facecolors="tab:blue")
-        ax.broken_barh(
-            [(tl["compute_start"] * ms, (tl["compute_end"] - tl["compute_start"]) * ms)],
-            (5, 4),
-            facecolors="tab:orange",
+    if "overlap" in drawn:
+        written.append(
+            plot_overlap(plt, json.loads((_common.RESULTS / "overlap.json").read_text()))
         )
-        ax.set_yticks([9, 24], ["overlapped", "sequential"])
-        ax.set_xlabel(
-            "ms from launch (blue: 4 MiB allreduce on a 1 Gbit/s link; orange: device compute)"
-        )
-        ax.set_title(f"one step, rank 0: efficiency {data['efficiency']:.2f}")
-        fig.tight_layout()
-        path = _common.RESULTS / "overlap_timeline.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    ddp = _common.RESULTS / "ddp.json"
-    if ddp.exists() and "breakdown" in json.loads(ddp.read_text())["ranks"][0]:
-        written.append(plot_ddp(plt, json.loads(ddp.read_text())))
+    if "ddp" in drawn:
+        data = json.loads((_common.RESULTS / "ddp.json").read_text())
+        if "breakdown" in data["ranks"][0]:
+            written.append(plot_ddp(plt, data))
     return written
+
+
+def plot_latency(plt: Any, data: dict[str, Any]) -> Path:
+    """Each waiting method's time over raw ``work.wait()``, per message size."""
+    rows = data["rows"]
+    labels = [_common.human_bytes(r["bytes"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.25
+    for i, method in enumerate(("wait", "asyncio", "trio")):
+        ax.bar(
+            [x + (i - 1) * width for x in range(len(rows))],
+            [r["ratio"][method] for r in rows],
+            width,
+            label=f"{method} / raw",
+        )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.05, color="grey", linestyle="--", linewidth=0.8, label="goal <= 64 KiB")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("time / raw work.wait()")
+    ax.set_title("allreduce latency, 2 gloo ranks (median per op)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = _common.RESULTS / "latency.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_overlap(plt: Any, data: dict[str, Any]) -> Path:
+    """Rank 0's step: communication and compute sequential, then overlapped."""
+    tl = data["ranks"][0]["timeline"]
+    comm = data["ranks"][0]["comm_s"]
+    seq = data["ranks"][0]["sequential_s"]
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    ms = 1e3
+    ax.broken_barh(
+        [(0, comm * ms), (comm * ms, (seq - comm) * ms)],
+        (20, 8),
+        facecolors=("tab:blue", "tab:orange"),
+    )
+    ax.broken_barh([(0, tl["comm_done"] * ms)], (9, 4), facecolors="tab:blue")
+    ax.broken_barh(
+        [(tl["compute_start"] * ms, (tl["compute_end"] - tl["compute_start"]) * ms)],
+        (5, 4),
+        facecolors="tab:orange",
+    )
+    ax.set_yticks([9, 24], ["overlapped", "sequential"])
+    ax.set_xlabel(
+        "ms from launch (blue: 4 MiB allreduce on a 1 Gbit/s link; orange: device compute)"
+    )
+    ax.set_title(f"one step, rank 0: efficiency {data['efficiency']:.2f}")
+    fig.tight_layout()
+    path = _common.RESULTS / "overlap_timeline.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_ddp(plt: Any, data: dict[str, Any]) -> Path:
@@ -187,8 +225,15 @@ def run(args: argparse.Namespace) -> int:
         bench, full, quick = SUITE[name]
         print(f"\n== {name}")
         status[name] = bench(quick if args.quick else full)
-    for path in plot():
-        print(f"wrote {path}")
+    try:
+        written = plot([name for name, code in status.items() if code == 0])
+    except ImportError as exc:  # matplotlib, from the bench extra
+        print(f"\nplots skipped: {exc.name or 'matplotlib'} is not installed ({BENCH_EXTRA})")
+    else:
+        for path in written:
+            print(f"wrote {path}")
+    if args.quick:
+        print(SMOKE_NOTE)
     failed = [n for n, code in status.items() if code]
     if failed:
         print(f"could not run: {', '.join(failed)}", file=sys.stderr)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib.util
+import io
+import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -141,3 +149,190 @@ def test_demo_progress_shows_no_loss_before_the_first_step() -> None:
     progress.update(task, advance=1, loss="loss 2.303")
     console.print(progress)
     assert "loss 2.303" in console.export_text()
+
+
+# -- the benchmark suite itself (benchmarks/run_all.py and its tables) ----------------------
+
+BENCH_EXTRA = "pip install 'asyncdist[bench]'"
+NO_MATPLOTLIB = (
+    "import sys; sys.modules['matplotlib'] = None; "  # what `pip install -e .` leaves out
+    "from asyncdist.__main__ import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.fixture
+def benchmarks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ModuleType]:
+    """benchmarks/run_all.py, loaded as ``asyncdist bench`` loads it, its
+    results going to ``tmp_path``; the benchmark modules are unloaded after."""
+    before = set(sys.modules)
+    monkeypatch.setenv("ASYNCDIST_BENCH_OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    assert spec is not None
+    assert spec.loader is not None
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    assert tmp_path == run_all._common.RESULTS
+    yield run_all
+    for name in set(sys.modules) - before:
+        where = getattr(sys.modules[name], "__file__", None) or ""
+        if Path(where).parent.name in ("benchmarks", "tools"):  # bare names: latency, ...
+            del sys.modules[name]
+
+
+def test_bench_without_matplotlib_runs_and_skips_the_plots(tmp_path: Path) -> None:
+    """In a venv without the bench extra, ``asyncdist bench`` runs the
+    benchmarks, skips the plots with a notice naming the extra, exits 0."""
+    env = dict(os.environ, ASYNCDIST_BENCH_OUT=str(tmp_path))
+    env.pop("COLUMNS", None)  # rich's width: 80 when not a terminal
+    done = subprocess.run(
+        [sys.executable, "-c", NO_MATPLOTLIB, "bench", "--quick", "--only", "latency"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Traceback" not in output
+    notices = [line for line in output.splitlines() if BENCH_EXTRA in line]
+    assert len(notices) == 1, output
+    assert "plots skipped" in notices[0]
+    assert (tmp_path / "latency.json").is_file()
+    assert not list(tmp_path.glob("*.png"))
+    # a smoke run: the goals are shown, not judged
+    assert "MISSED" not in output
+    assert "not comparable with the goals" in output
+    assert "…" not in output
+
+
+def test_bench_only_plots_what_ran(benchmarks: ModuleType, tmp_path: Path) -> None:
+    """``--only X`` draws X's plots from this run, never others from old results."""
+    pytest.importorskip("matplotlib")
+    old = {"rows": [{"bytes": 4, "ratio": {"wait": 1.0, "asyncio": 1.1, "trio": 1.2}}]}
+    (tmp_path / "latency.json").write_text(json.dumps(old))  # a previous run's
+    ran: list[str] = []
+
+    def fake(name: str) -> Any:
+        def bench(argv: list[str]) -> int:
+            ran.append(name)
+            return 0
+
+        return bench
+
+    for name in ("fusion", "latency"):
+        benchmarks.SUITE[name] = (fake(name), [], [])
+    assert benchmarks.run(argparse.Namespace(only=["fusion"], quick=False)) == 0
+    assert ran == ["fusion"]
+    assert not list(tmp_path.glob("*.png")), "latency.png redrawn from old results"
+    assert benchmarks.plot(["fusion", "debug_cost", "loop_stall", "concurrency"]) == []
+    assert benchmarks.run(argparse.Namespace(only=["latency"], quick=False)) == 0
+    assert [p.name for p in tmp_path.glob("*.png")] == ["latency.png"]
+
+
+def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
+    """Every benchmark's table from made-up results as wide as real ones, and
+    missing every goal: {name: rich Table}."""
+    import asyncdist
+
+    common, shaped = benchmarks._common, sys.modules["_shaped_cli"]
+    tables: dict[str, Any] = {}
+
+    def runs(raw: float) -> dict[str, list[float]]:
+        return {"raw": [raw], "wait": [raw * 1.4], "await": [raw * 2.1]}
+
+    sizes = benchmarks.latency.SIZES
+    lat = {str(s): {"asyncio": runs(0.21 * s / sizes[-1] + 3e-4)} for s in sizes}
+    for per_size in lat.values():
+        per_size["trio"] = per_size["asyncio"]
+    title, columns, rows, _ = benchmarks.latency.summarize(lat, sizes, smoke)
+    tables["latency"] = common.table(title, columns, rows, smoke=smoke)
+
+    times = {"separate": [0.12442], "coalesced": [0.01523]}
+    title, columns, rows, _ = benchmarks.fusion.summarize(times, smoke)
+    tables["fusion"] = common.table(title, columns, rows, smoke=smoke)
+
+    title, columns, rows, _ = benchmarks.debug_cost.summarize({"off": [0.0157], "on": [0.1492]})
+    tables["debug_cost"] = common.table(title, columns, rows)
+
+    stalls = {case: [1.0123, 0.0378] for case in benchmarks.loop_stall.CASES}
+    version = asyncdist.__version__ + ".dev1234+g0123abcd"
+    title, columns, rows = benchmarks.loop_stall.summarize(stalls, 1.0, 3, version)
+    tables["loop_stall"] = common.table(title, columns, rows)
+
+    link = {
+        "median_s": {"idle": 0.00099},
+        "same_lane_x_idle": 3125.4,
+        "own_channel_x_idle": 12.3,
+        "bulk_gbit_s": {"alone": 17.24},
+        "bulk_throughput_kept": 0.863,
+    }
+    links = {"loopback": link, "shaped 500mbit": link}
+    title, columns, rows, _ = benchmarks.concurrency.summarize(links, 64, smoke)
+    tables["concurrency"] = common.table(title, columns, rows, smoke=smoke)
+
+    step = {"comm_s": 0.0335, "compute_s": 0.0335, "sequential_s": 0.0671}
+    overlap = [dict(step, overlapped_s=0.0612, efficiency=0.174)] * 2
+    columns, rows, _ = benchmarks.overlap.summarize(overlap, {}, smoke=smoke)
+    tables["overlap"] = common.table(shaped.title("overlap", "500mbit"), columns, rows, smoke=smoke)
+
+    wire = {"bytes": 64 << 20, "median_s": 1.2345, "bound_s": 1.0737, "efficiency": 0.87}
+    columns, rows, _ = benchmarks.bandwidth.summarize([wire] * 2, {}, smoke=smoke)
+    tables["bandwidth"] = common.table(
+        shaped.title("bandwidth", "500mbit"), columns, rows, smoke=smoke
+    )
+
+    arms = list(benchmarks.ddp.LABELS)
+    rank = {
+        "ratio_vs_ddp": dict.fromkeys(arms, 1.234),
+        "median_s": {arm: 1.6789 - i * 0.01 for i, arm in enumerate(arms)},
+        "breakdown": {
+            arm: {"backward": 0.2812, "exposed_comm": 1.3712, "optimizer": 0.1623} for arm in arms
+        },
+        "compute_s": 0.0142,
+    }
+    columns, rows, _ = benchmarks.ddp.summarize([rank, rank], {}, smoke=smoke)
+    tables["ddp"] = common.table(shaped.title("ddp", "500mbit"), columns, rows, smoke=smoke)
+    assert set(tables) == set(cli.BENCHMARKS)
+    return tables
+
+
+def _render(table: Any, width: int) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=io.StringIO(), force_terminal=False)
+    console.print(table)
+    return console.export_text()
+
+
+def test_benchmark_tables_fit_80_columns(benchmarks: ModuleType) -> None:
+    """Every table fits a terminal of 80 columns as it is: no cell wrapped or
+    shortened to "…" (ddp's used to show "gradient_s…")."""
+    for smoke in (False, True):
+        for name, table in _synthetic_tables(benchmarks, smoke).items():
+            natural = _render(table, 1000)
+            widest = max(len(line.rstrip()) for line in natural.splitlines())
+            assert widest <= 80, f"{name}: {widest} columns wide\n{natural}"
+            at_80 = _render(table, 80)
+            assert "…" not in at_80, f"{name}:\n{at_80}"
+            assert "..." not in at_80, f"{name}:\n{at_80}"
+
+
+def test_quick_run_does_not_judge_the_goals(benchmarks: ModuleType) -> None:
+    """``--quick`` (a smoke run) shows the goals unjudged, saying why; a full
+    run still reports a miss."""
+    judged = _synthetic_tables(benchmarks, smoke=False)
+    for name in ("latency", "fusion", "overlap", "bandwidth", "ddp"):
+        assert "MISSED" in _render(judged[name], 80), name
+    for name, table in _synthetic_tables(benchmarks, smoke=True).items():
+        text = _render(table, 80)
+        assert "MISSED" not in text, f"{name}:\n{text}"
+        if name in ("latency", "fusion", "overlap", "bandwidth", "ddp"):
+            assert "smoke run (--quick)" in text, f"{name}:\n{text}"
+    # every benchmark with goals is told so under --quick, and only there
+    for name, (_, full, quick) in benchmarks.SUITE.items():
+        if name in ("latency", "fusion", "concurrency", "overlap", "bandwidth", "ddp"):
+            assert "--smoke" in quick, name
+        assert "--smoke" not in full, name

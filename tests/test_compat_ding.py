@@ -7,6 +7,7 @@ import datetime
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
 import time
 import types
@@ -365,6 +366,70 @@ def test_ddp_context_explicit_address_and_finalize_without_barrier() -> None:
         assert out["initialized_after"] is False
     # rank 1 released its group while rank 0 was still in the block: no barrier
     assert results[1]["exit_s"] < 2.0, results[1]["exit_s"]
+
+
+def test_error_wrapper_takes_the_later_warning_msg(caplog: pytest.LogCaptureFixture) -> None:
+    """DI-engine's later ``error_wrapper(fn, default_ret, warning_msg="")``:
+    a failure returns ``default_ret`` and, with a message, logs a warning
+    (once per message, default and error, as its ``one_time_warning``) naming
+    both. DI-engine 0.5.3's own passes two arguments to its one-argument
+    ``one_time_warning`` and raises a TypeError instead."""
+    params = list(inspect.signature(ding_compat.error_wrapper).parameters)
+    assert params == ["fn", "default_ret", "warning_msg"]
+
+    def boom(x: int) -> int:
+        raise ValueError(f"no rank {x}")
+
+    message = f"probe failed ({time.monotonic_ns()})"  # unique: warned once per process
+    wrapped = ding_compat.error_wrapper(boom, -1, warning_msg=message)
+    assert wrapped.__name__ == "boom"
+    with caplog.at_level(logging.WARNING):
+        assert wrapped(3) == -1
+        assert wrapped(3) == -1  # the same failure again: not warned again
+        assert ding_compat.error_wrapper(boom, -1, message)(4) == -1  # another error: warned
+    warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings_logged] == [
+        f"{message}\ndefault_ret = -1\terror = no rank 3",
+        f"{message}\ndefault_ret = -1\terror = no rank 4",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert ding_compat.error_wrapper(boom, None)(5) is None  # no message: no warning
+        assert ding_compat.error_wrapper(boom, None, "")(5) is None  # DI-engine's default
+        assert ding_compat.error_wrapper(lambda x: x + 1, -1, "unused")(3) == 4
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _allreduce_async_waited_by_torch(session: DistSession, port: int) -> dict[str, Any]:
+    session.close()  # leave spawn's group; DDPContext makes its own
+    rank, out = session.rank, {}
+    with ding_compat.DDPContext("gloo", "127.0.0.1", str(port), rank, 2, timeout=20):
+        # DI-engine waits its own way: a raw barrier (no asyncdist handle waited)
+        x = torch.full((3,), float(rank + 1))
+        handle = ding_compat.allreduce_async("x", x)
+        dist.barrier()
+        out["after_barrier"] = x.tolist()  # (1 + 2) / 2
+        out["after_wait"] = handle.wait().tolist()  # not divided twice
+        # the later helper's hooks then synchronize(): still the mean, once
+        y = torch.full((2,), float(4 * rank))
+        ding_compat.allreduce_async("y", y)
+        ding_compat.synchronize()
+        out["after_synchronize"] = y.tolist()  # (0 + 4) / 2
+        dist.barrier()
+        out["later"] = y.tolist()
+    return out
+
+
+def test_allreduce_async_leaves_the_mean_whatever_waits() -> None:
+    """``allreduce_async`` divides before it sums, as the later helper does,
+    so ``x`` holds the mean once the collective completes, also for code
+    that waits with torch (``dist.barrier()``) rather than the handle."""
+    results = spawn(_allreduce_async_waited_by_torch, 2, args=(free_port(),), timeout=30)
+    for out in results:
+        assert out["after_barrier"] == [1.5, 1.5, 1.5]
+        assert out["after_wait"] == [1.5, 1.5, 1.5]
+        assert out["after_synchronize"] == [2.0, 2.0]
+        assert out["later"] == [2.0, 2.0]
 
 
 # -- install(): rebinding the helper's names in DI-engine's modules -------------------------

@@ -59,13 +59,30 @@ def error_wrapper(fn: Callable[..., Any], default_ret: Any) -> Callable[..., Any
     The exception is logged (``asyncdist.compat`` logger, debug level) rather
     than silently lost. Use it for optional probes, not for initialisation.
     """
+    return wrap_errors(fn, default_ret, None)
+
+
+@functools.lru_cache(maxsize=128)  # DI-engine's one_time_warning: once per message
+def _warn_once(message: str) -> None:
+    logger.warning("%s", message)
+
+
+def wrap_errors(
+    fn: Callable[..., Any], default_ret: Any, warning_msg: str | None
+) -> Callable[..., Any]:
+    """``error_wrapper`` of either release: ``warning_msg`` (the later one's),
+    unless ``None`` or empty, is logged as a warning on a failure, with the
+    default and the error, once per distinct text; the exception is always
+    logged at debug level."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except Exception:
+        except Exception as exc:
             logger.debug("error_wrapper(%s) returned its default", fn, exc_info=True)
+            if warning_msg:
+                _warn_once(f"{warning_msg}\ndefault_ret = {default_ret}\terror = {exc}")
             return default_ret
 
     return wrapper

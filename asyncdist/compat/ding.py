@@ -28,6 +28,10 @@ v0.1's, and these:
   without CUDA.
 * Bad input (a wrong type, an op other than ``"sum"``/``"avg"``, an integer
   tensor to average) raises on the calling rank before anything is launched.
+* ``error_wrapper(fn, default_ret, warning_msg)`` raised a ``TypeError``
+  from its handler when given a message (it passed two arguments to the
+  one-argument ``one_time_warning``); here it returns ``default_ret`` and
+  logs the warning.
 
 To run DI-engine itself on asyncdist without editing it, see ``install``.
 """
@@ -54,7 +58,6 @@ from ._shared import (
     allgather,
     broadcast,
     dist_finalize,
-    error_wrapper,
     get_group,
     get_rank,
     get_world_size,
@@ -99,6 +102,23 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=60000)  # the helper's own default
 _INDICATOR_ATOL = 1e-8
 
 
+def error_wrapper(
+    fn: Callable[..., Any], default_ret: Any, warning_msg: str | None = None
+) -> Callable[..., Any]:
+    """Wrap ``fn`` so that an ``Exception`` inside it returns ``default_ret``.
+
+    The later helper's form (DI-engine's ``ding.utils.error_wrapper``): with
+    a ``warning_msg`` (neither ``None`` nor ``""``), a failure logs a warning
+    (``asyncdist.compat`` logger) reading ``warning_msg``, then
+    ``"\\ndefault_ret = <default_ret>\\terror = <the exception>"``, once per
+    distinct text, as DI-engine's ``one_time_warning`` meant to (its own
+    call passes it two arguments and raises a ``TypeError`` in the handler).
+    The exception is always logged at debug level. Use it for optional
+    probes, not for initialisation.
+    """
+    return _shared.wrap_errors(fn, default_ret, warning_msg)
+
+
 def _session(op: str) -> DistSession:
     return _shared.session_for(None, op)
 
@@ -124,20 +144,37 @@ def allreduce(x: torch.Tensor) -> None:
 def allreduce_async(name: str, x: torch.Tensor) -> Handle[torch.Tensor]:
     """Start averaging ``x`` in place over every rank; return its handle.
 
+    As in the later helper, ``x`` is divided by the world size at once and
+    then summed, so it holds the mean as soon as the collective completes,
+    however the caller waits: the handle, ``synchronize``, or torch itself
+    (a ``torch.distributed.barrier()``, a later collective's ``wait()``).
+
     ``name`` (the parameter's name in DI-engine) only labels the call. The
     handle is also remembered: ``synchronize`` waits for it, so the
     helper's pattern (launch from gradient hooks, then ``synchronize()``)
-    is race-free. ``x`` holds the mean once the handle (or ``synchronize``)
-    has been waited for.
+    is race-free.
 
     Raises:
-        TypeError, ValueError: bad ``name`` or ``x`` (nothing is launched).
+        TypeError, ValueError: bad ``name``, or ``x`` is not a floating
+            tensor the session can carry (``x`` untouched, nothing launched).
+        AsyncDistError: the session cannot launch (closed or broken); ``x``
+            is multiplied back (exactly for a power-of-two world size).
     """
+    op = "allreduce_async"
     if not isinstance(name, str):
-        raise TypeError(f"allreduce_async: name must be a str, not {type(name).__name__}")
-    target = _session("allreduce_async")
-    with _shared.issuing():
-        handle = target.allreduce(x, "mean")
+        raise TypeError(f"{op}: name must be a str, not {type(name).__name__}")
+    target = _session(op)
+    check_tensor(x, collective=op, backend=target.backend, device=target.device, what="x")
+    if not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"{op}: x must be a floating tensor to average, not {x.dtype}")
+    world = target.world_size
+    x.div_(world)
+    try:
+        with _shared.issuing():
+            handle = target.allreduce(x, "sum")
+    except BaseException:
+        x.mul_(world)
+        raise
     return _shared.track(handle)
 
 
