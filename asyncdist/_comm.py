@@ -672,7 +672,8 @@ class Comm:
             try:
                 if fingerprint is not None:
                     self._agree(spec.op, fingerprint, handle)
-                self._issue(handle, spec, received, route, deferred=True)
+                # on the debug thread, in the caller's grad/inference mode
+                handle._as_caller(lambda: self._issue(handle, spec, received, route, deferred=True))
             except BaseException as exc:  # noqa: BLE001 - it reaches the caller or the handle
                 refused.append(exc)
                 handle._fail(exc)

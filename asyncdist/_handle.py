@@ -22,6 +22,16 @@ The session's ``Watchdog`` thread looks at outstanding handles about once
 a second: it settles finished ones nobody looked at (so a handle completes
 without being awaited, and a failure breaks the session) and declares lost
 those that made no progress within the timeout.
+
+Whichever thread settles, it does so in the caller's autograd mode: torch's
+grad mode and inference mode are thread-local, and a gloo worker thread, a
+completer or the watchdog runs outside the mode the collective was issued
+in. A tensor made under ``torch.inference_mode()`` cannot be updated in
+place outside it, nor a leaf that requires grad with grad on; the divide of
+"mean", gloo's copy of a reduce_scatter block into its output (done in
+``work.wait()``) and the unpacking of coalesced buffers are such updates.
+The mode is read at launch (two calls into torch, ~0.2 µs) and re-entered
+only where the settling thread's own mode differs.
 """
 
 from __future__ import annotations
@@ -38,13 +48,45 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from . import _wakeup
-from .errors import AsyncDistError, CollectiveTimeout, Departure, translate
+from .errors import (
+    AsyncDistError,
+    CollectiveTimeout,
+    Departure,
+    FinishError,
+    finish_failed,
+    translate,
+)
 
 if TYPE_CHECKING:
     from ._store import LeaveNotices
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
+
+# (inference mode, grad mode) of a thread; the default is (False, True).
+Mode = tuple[bool, bool]
+_inference_on = torch.is_inference_mode_enabled  # read on every launch and settle
+_grad_on = torch.is_grad_enabled
+
+
+def current_mode() -> Mode:
+    """This thread's autograd mode."""
+    return (_inference_on(), _grad_on())
+
+
+def in_mode(mode: Mode, fn: Callable[[], T]) -> T:
+    """``fn()`` in ``mode``, this thread's own mode restored after.
+
+    Free when the thread is in ``mode`` already (every background thread is
+    in the default mode, and so is most issuing code); otherwise it costs the
+    two context managers, a few microseconds.
+    """
+    if mode == current_mode():
+        return fn()
+    inference, grad = mode
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        return fn()
+
 
 # Seconds the handle's own watchdog allows past the session timeout before it
 # declares a collective lost; the backend's timeout normally fires first.
@@ -78,7 +120,7 @@ class Health:
 
     def saw(self, error: BaseException | None) -> None:
         """``error`` reached the user; a fault (not a local error) counts as seen."""
-        if isinstance(error, AsyncDistError):
+        if isinstance(error, AsyncDistError) and not isinstance(error, FinishError):
             self.fault_seen = True
 
     def fail(
@@ -289,6 +331,7 @@ class Handle(Generic[T_co]):
         "_hooked",
         "_lane",
         "_launched",
+        "_mode",
         "_number",
         "_observed",
         "_op",
@@ -300,6 +343,7 @@ class Handle(Generic[T_co]):
     _completion: _Completion
     _health: Health | None
     _launched: float
+    _mode: Mode  # the issuing thread's autograd mode, re-entered to settle
     _work: Any  # a torch Work with a future; None when a Completer settles the handle
     _finish: Callable[[], Any]
     _hooked: bool
@@ -330,6 +374,7 @@ class Handle(Generic[T_co]):
         self._completion = _Completion()
         self._health = health
         self._launched = time.monotonic()
+        self._mode = (_inference_on(), _grad_on())
         self._work = None
         self._finish = finish
         self._hooked = False
@@ -419,10 +464,26 @@ class Handle(Generic[T_co]):
     def _settle(self, check: Callable[[], object]) -> None:
         """If first to claim it, settle this handle: ``check()`` raises the
         backend's error, if any (a fault: it breaks the session); else
-        ``finish()`` gives the result, or a local error.  Never raises."""
-        completion = self._completion
-        if not completion.claim():
+        ``finish()`` gives the result, or a local error (the session stays
+        usable). Both run in the mode the collective was issued in, on
+        whichever thread this is (see the module docstring). Never raises."""
+        if not self._completion.claim():
             return
+        mode = self._mode
+        if mode == (_inference_on(), _grad_on()):  # current_mode(), without the call
+            self._conclude(check)
+        else:
+            with torch.inference_mode(mode[0]), torch.set_grad_enabled(mode[1]):
+                self._conclude(check)
+
+    def _as_caller(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in the mode this collective was issued in (a launch
+        deferred to another thread)."""
+        return in_mode(self._mode, fn)
+
+    def _conclude(self, check: Callable[[], object]) -> None:
+        """``_settle`` once claimed."""
+        completion = self._completion
         health = self._health
         assert health is not None
         try:
@@ -443,7 +504,11 @@ class Handle(Generic[T_co]):
         try:
             value = self._finish()
         except BaseException as exc:  # noqa: BLE001 - a local error (e.g. a refused unpickle)
-            completion.set_error(exc)  # the collective itself went fine: no fault
+            # The collective itself went fine: no fault, the session stays usable.
+            local = finish_failed(exc, op=self._op, rank=health.rank)
+            if local is not exc:
+                local.__cause__ = exc
+            completion.set_error(local)
         else:
             completion.set_result(value)
 
@@ -490,6 +555,8 @@ class Handle(Generic[T_co]):
             TimeoutError: ``timeout`` passed first; the handle stays valid
                 and can be waited on again.
             CollectiveTimeout, PeerFailure, CollectiveError: the collective failed.
+            FinishError: the step that finishes it on this rank failed (the
+                divide of "mean", a copy-back); the session stays usable.
         """
         # No local for the work: a raised error's traceback keeps this frame,
         # which would keep the work (and its group's transport) alive.

@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import traceback
 import weakref
 from collections.abc import Iterable
@@ -46,7 +47,7 @@ from ._grad import GradientSync, Options
 from ._handle import Handle
 from ._store import forget, session_store
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
-from .errors import AsyncDistError, InitError, SessionBroken, SessionClosed
+from .errors import AsyncDistError, FinishError, InitError, SessionBroken, SessionClosed
 
 logger = logging.getLogger("asyncdist")
 
@@ -174,6 +175,9 @@ class DistSession(Collectives):
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
         self._channels: dict[str, Channel] = {}
+        # channel names being formed by channel_async, and the lock every forming holds
+        self._forming: dict[str, anyio.Event] = {}
+        self._forming_lock = threading.Lock()
         # the GradientSyncs made here: their hooks come off when the session ends
         self._syncs: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 
@@ -433,7 +437,7 @@ class DistSession(Collectives):
         """Surface failures of outstanding handles nobody waited on: nothing is lost.
 
         A fault is raised when the block exited normally; otherwise (or for
-        local errors, like a refused unpickle) it is logged. So is the fault
+        local errors, like a refused unpickle or a FinishError) it is logged. So is the fault
         that broke the session, if no error of it ever reached the user (the
         watchdog found it on a handle nobody waited on).
         """
@@ -445,7 +449,10 @@ class DistSession(Collectives):
             faults.insert(0, health.fault)
         for error in faults:
             logger.warning("rank %d: unobserved failure at session exit: %s", self.rank, error)
-        fault = next((e for e in faults if isinstance(e, AsyncDistError)), None)
+        fault = next(
+            (e for e in faults if isinstance(e, AsyncDistError) and not isinstance(e, FinishError)),
+            None,
+        )
         if fault is not None and raise_errors:
             health.fault_seen = True  # once, not again at a parent session's exit
             raise fault
@@ -580,21 +587,43 @@ class DistSession(Collectives):
             CollectiveError: a peer did not join in time.
         """
         _check_channel_name(name)
-        comm = self._lane("channel")
-        channel = self._channels.get(name)
-        if channel is None:
-            channel = self._channels[name] = Channel(self, name, comm.channel(name))
-        return channel
-
-    async def channel_async(self, name: str) -> Channel:
-        """[channel][asyncdist.DistSession.channel] for async code: a new
-        channel's groups form on a worker thread while the loop goes on."""
-        _check_channel_name(name)
         self._lane("channel")
         channel = self._channels.get(name)
         if channel is not None:
             return channel
-        return await anyio.to_thread.run_sync(self.channel, name)
+        # One forming at a time, whichever thread asks: a second caller with the
+        # same name must get the first's channel, not form its groups again
+        # (its peers form them once, so the ranks' groups would no longer pair).
+        with self._forming_lock:
+            comm = self._lane("channel")
+            channel = self._channels.get(name)
+            if channel is None:
+                channel = self._channels[name] = Channel(self, name, comm.channel(name))
+        return channel
+
+    async def channel_async(self, name: str) -> Channel:
+        """[channel][asyncdist.DistSession.channel] for async code: a new
+        channel's groups form on a worker thread while the loop goes on.
+
+        Tasks that ask for the same new name at once get the one channel:
+        the first forms it, the others await that forming.
+        """
+        _check_channel_name(name)
+        while True:
+            self._lane("channel")
+            channel = self._channels.get(name)
+            if channel is not None:
+                return channel
+            forming = self._forming.get(name)
+            if forming is None:
+                break
+            await forming.wait()  # then look again: it failed if the session broke
+        self._forming[name] = done = anyio.Event()
+        try:
+            return await anyio.to_thread.run_sync(self.channel, name)
+        finally:
+            del self._forming[name]
+            done.set()
 
     # -- training ---------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ Hierarchy::
     ├── CollectiveMismatch   ranks issued different collectives (debug mode)
     └── CollectiveError      a launched collective did not complete
         ├── CollectiveTimeout   ... because a peer stayed silent (also a TimeoutError)
-        └── PeerFailure         ... because a peer died, or left the session early
+        ├── PeerFailure         ... because a peer died, or left the session early
+        └── FinishError         ... because its local finishing step failed on this
+                                rank (the session stays usable)
 
 ``AsyncDistError`` derives from ``RuntimeError`` so code written against plain
 ``torch.distributed`` (which raises ``RuntimeError``) keeps catching failures;
@@ -17,7 +19,8 @@ no asyncdist failure ever surfaces as a *bare* ``RuntimeError``.
 
 Errors coming from torch or gloo are translated in exactly one place,
 ``translate`` (by exception type first, then by message), and chained
-(``raise ... from exc``) so the original message stays visible.
+(``raise ... from exc``) so the original message stays visible; a local
+step that fails after the collective completed (``finish_failed``) likewise.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "FinishError",
     "InitError",
     "PeerFailure",
     "SessionBroken",
@@ -96,6 +100,19 @@ class PeerFailure(CollectiveError):
     A peer that *left the session* on purpose (its block ended while this
     rank still waited: the ranks issued different numbers of collectives)
     is told apart from one that crashed, and the message says which.
+    """
+
+
+class FinishError(CollectiveError):
+    """Raised when the step that finishes a collective on this rank fails:
+    the divide of ``"mean"``, the copy into the result tensor, the unpacking
+    of a coalesced buffer.
+
+    The collective itself completed on the wire, so this is a local error:
+    the session stays usable. The tensors given to the call may hold an
+    unfinished result (the sum of a ``"mean"``). torch's own error (for
+    example autograd refusing an in-place update of a leaf that requires
+    grad) is chained as ``__cause__``.
     """
 
 
@@ -224,6 +241,32 @@ def translate(
     return CollectiveError(
         f"{op} on rank {rank} failed in the backend: {exc}. Check that every rank "
         "passes tensors of the same shape and dtype.",
+        op=op,
+        rank=rank,
+    )
+
+
+def finish_failed(exc: BaseException, *, op: str, rank: int) -> BaseException:
+    """What the handle raises when ``op``'s finishing step raised ``exc``.
+
+    torch's ``RuntimeError`` s become a [FinishError][asyncdist.errors.FinishError]
+    (the caller chains ``exc`` as its cause). Asyncdist errors, and the errors a
+    finishing step raises on purpose with their own documented type (a refused
+    unpickle's ``pickle.UnpicklingError``, an uneven all_gather's ``ValueError``),
+    are returned unchanged.
+    """
+    if not isinstance(exc, RuntimeError) or isinstance(exc, AsyncDistError):
+        return exc
+    cause = str(exc).strip()
+    if not cause.endswith("."):
+        cause += "."
+    return FinishError(
+        f"{op} on rank {rank}: the collective completed, but the step that finishes it "
+        f"on this rank (the divide of 'mean', the copy into the result, or unpacking) "
+        f"failed: {cause} The session stays usable; this call's tensors may hold an "
+        "unfinished result. Check them: the step runs in the grad and inference mode "
+        "the call was issued in, so a tensor that requires grad needs the call issued "
+        "under torch.no_grad().",
         op=op,
         rank=rank,
     )
