@@ -191,3 +191,15 @@ def test_docstrings_use_no_sphinx_roles() -> None:
         if SPHINX_ROLE.search(line)
     ]
     assert not found, f"Sphinx roles (write [name][asyncdist.name] or ``name``): {found}"
+
+
+def test_the_eager_launch_example_leaves_the_tensors_in_flight_alone() -> None:
+    """concepts.md teaches launch, compute, await: the compute between the
+    launch and the await must not read the tensors being reduced in place."""
+    page = (ROOT / "docs" / "concepts.md").read_text()
+    block = next(code for code in BLOCK.findall(page) if "wait_all(handles)" in code)
+    lines = block.splitlines()
+    launch = next(i for i, line in enumerate(lines) if "s.allreduce(b" in line)
+    awaited = next(i for i, line in enumerate(lines) if "await wait_all(handles)" in line)
+    between = [line.split("#")[0] for line in lines[launch + 1 : awaited]]
+    assert not [line for line in between if "buckets" in line or re.search(r"\bb\b", line)]
