@@ -1,16 +1,20 @@
 """asyncdist: an async-first, context-managed API over ``torch.distributed``."""
 
+from ._channel import Channel as Channel
+from ._collectives import MainFirst as MainFirst
 from ._grad import GradientSync as GradientSync
 from ._handle import Handle as Handle
 from ._handle import wait_all as wait_all
 from ._session import DistSession as DistSession
 from ._session import State as State
 from ._spawn import spawn as spawn
+from ._trace import TraceBlock as TraceBlock
 from ._version import __version__ as __version__
 from .errors import AsyncDistError as AsyncDistError
 from .errors import CollectiveError as CollectiveError
 from .errors import CollectiveMismatch as CollectiveMismatch
 from .errors import CollectiveTimeout as CollectiveTimeout
+from .errors import FinishError as FinishError
 from .errors import InitError as InitError
 from .errors import PeerFailure as PeerFailure
 from .errors import SessionBroken as SessionBroken
@@ -18,17 +22,21 @@ from .errors import SessionClosed as SessionClosed
 
 __all__ = [
     "AsyncDistError",
+    "Channel",
     "CollectiveError",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DistSession",
+    "FinishError",
     "GradientSync",
     "Handle",
     "InitError",
+    "MainFirst",
     "PeerFailure",
     "SessionBroken",
     "SessionClosed",
     "State",
+    "TraceBlock",
     "__version__",
     "spawn",
     "wait_all",

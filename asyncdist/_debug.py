@@ -14,6 +14,7 @@ This module is pure: it numbers, builds, encodes and compares fingerprints
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -32,6 +33,11 @@ def describe(tensor: torch.Tensor) -> str:
     return f"{dtype}[{', '.join(str(d) for d in tensor.shape)}]"
 
 
+def _digest(data: bytes) -> str:
+    """A short digest of ``data``, the same in every process."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """What one rank is about to issue, in rank-independent terms."""
@@ -46,10 +52,10 @@ class Fingerprint:
     def encode(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
         if len(data) > FINGERPRINT_BYTES - 4:
-            # too many tensors to list: keep the count and a digest of the list
-            digest = (
-                f"{len(self.tensors)} tensors, hash {hash(tuple(self.tensors)) & 0xFFFFFFFF:08x}"
-            )
+            # too many tensors to list: keep the count and a digest of the list.
+            # Not the built-in hash(): it is randomised per process, so ranks would differ.
+            listed = json.dumps(list(self.tensors), separators=(",", ":")).encode()
+            digest = f"{len(self.tensors)} tensors, digest {_digest(listed)}"
             short = Fingerprint(self.seq, self.op, (digest,), self.reduce, self.root, self.extra)
             data = json.dumps(asdict(short), separators=(",", ":")).encode()[
                 : FINGERPRINT_BYTES - 4

@@ -31,6 +31,15 @@ from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken
 # long to finish or fail on their own (they usually see PeerFailure at once,
 # and their reports and logs are worth having) before they are killed.
 FAILURE_GRACE = 3.0
+# The exit status of a rank that found the call to spawn running again while
+# it started (a script without the main guard); the parent names the fix.
+UNGUARDED_EXIT = 87
+UNGUARDED_HINT = (
+    "the script calls spawn when it is imported: each rank is a fresh process that "
+    "imports the main script, so there the call to spawn ran again. Put the call to "
+    'spawn (and whatever only the parent should run) under `if __name__ == "__main__":`.'
+)
+
 # When the first error to arrive is a consequence (a rank saw its peer leave),
 # the rank that failed first is usually still leaving its session: this long
 # to report its own error, which then wins.
@@ -211,6 +220,9 @@ def spawn(
 
     Raises:
         TypeError: ``fn`` cannot be pickled (a lambda or nested function).
+        RuntimeError: the ranks could not start because the main script calls
+            spawn when it is imported (no ``if __name__ == "__main__":`` guard);
+            raised as soon as the first rank exits.
         Exception: the first failing rank's own exception, with a note naming
             the rank and its traceback.
         PeerFailure: a rank died without reporting (killed by SIGABRT: most
@@ -222,6 +234,7 @@ def spawn(
 
     No child outlives the call.
     """
+    _refuse_while_bootstrapping()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not callable(fn):
@@ -269,6 +282,22 @@ def spawn(
         del store
 
 
+def _refuse_while_bootstrapping() -> None:
+    """Stop a rank that runs spawn while it starts: its main script has no guard.
+
+    A process of the ``spawn`` start method imports the parent's main script
+    before it runs anything (multiprocessing then refuses to start processes
+    with "An attempt has been made to start a new process before the current
+    process has finished its bootstrapping phase"). This rank exits with
+    ``UNGUARDED_EXIT`` at once, so that the parent names the fix and fails
+    fast instead of reporting a rank that exited with code 1.
+    """
+    # multiprocessing's own test for this (multiprocessing.spawn._check_not_importing_main)
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        print(f"asyncdist.spawn: {UNGUARDED_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(UNGUARDED_EXIT)
+
+
 def _check_importable(fn: Callable[..., Any]) -> None:
     """Refuse, before any process starts, an ``fn`` the ranks could not unpickle.
 
@@ -288,8 +317,10 @@ def _check_importable(fn: Callable[..., Any]) -> None:
         ) from exc
 
 
-def _died(rank: int, exitcode: int | None, debug: bool) -> PeerFailure:
+def _died(rank: int, exitcode: int | None, debug: bool) -> PeerFailure | RuntimeError:
     """The error for a rank that exited without sending a result."""
+    if exitcode == UNGUARDED_EXIT:
+        return RuntimeError(f"spawn: rank {rank} could not start: {UNGUARDED_HINT}")
     message = f"rank {rank} exited with code {exitcode} without returning a result"
     if exitcode == -signal.SIGABRT:
         message += (
@@ -375,6 +406,8 @@ def _collect(
             if message is None:
                 procs[rank].join()
                 error: BaseException = _died(rank, procs[rank].exitcode, debug)
+                if procs[rank].exitcode == UNGUARDED_EXIT:
+                    raise error  # every rank fails so: no grace is worth waiting
             elif message[0] == "ok":
                 results[rank] = message[1]
                 continue

@@ -262,3 +262,33 @@ def _debug_on_a_channel(s: DistSession) -> str:
 def test_debug_mode_verifies_each_channel() -> None:
     for message in spawn(_debug_on_a_channel, 2, timeout=20, debug=True):
         assert "allreduce of float32[2] on rank 0 vs float32[5] on rank 1" in message
+
+
+async def _one_channel_asked_for_twice(s: DistSession) -> tuple[bool, list[float]]:
+    """Rank 0: two tasks ask for the new channel "m" at once; rank 1: one task.
+    Rank 0 must form it once, or the ranks' groups no longer pair."""
+    if s.rank == 0:
+        got: list[Any] = []
+
+        async def ask() -> None:
+            got.append(await s.channel_async("m"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            tg.start_soon(ask)
+        channel, same = got[0], got[0] is got[1]
+    else:
+        channel, same = await s.channel_async("m"), True
+    t = torch.ones(2)
+    with anyio.fail_after(10):
+        await channel.allreduce(t)
+        await s.allreduce(t)  # the session's own lane is still in step
+    return same, t.tolist()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_channel_asked_for_by_two_tasks_at_once_forms_once(backend: str) -> None:
+    results = spawn(
+        _one_channel_asked_for_twice, 2, timeout=10, async_backend=backend, join_timeout=60
+    )
+    assert results == [(True, [4.0, 4.0])] * 2

@@ -167,3 +167,47 @@ def test_pairwise_fingerprints_compare_pair_by_pair() -> None:
     long = fp(*(f"float32[{i}]" for i in range(500)))
     decoded = Fingerprint.decode(long.encode())
     assert pairwise(decoded), "the flag survives the digest of a long list"
+
+
+def _long_lists(s: DistSession) -> tuple[list[float], list[float]]:
+    """80 tensors: too many for a fingerprint to list, so it carries a digest."""
+    tensors = [torch.full((i % 7 + 1,), float(s.rank + 1)) for i in range(80)]
+    s.allreduce_coalesced(tensors).wait()
+    tree = {f"k{i}": torch.full((i % 5 + 1,), float(s.rank + 1)) for i in range(80)}
+    reduced = s.allreduce_tree(tree).wait()
+    return [float(t[0]) for t in tensors], [float(t[0]) for t in reduced.values()]
+
+
+def test_long_argument_lists_agree_across_processes() -> None:
+    """Each rank is its own process, with its own hash randomisation: the
+    digest of a long list must not depend on it."""
+    results = spawn(_long_lists, 2, debug=True, timeout=30, join_timeout=60)
+    assert results == [([3.0] * 80, [3.0] * 80)] * 2
+
+
+_ENCODE = """
+from asyncdist._debug import Fingerprint
+shapes = tuple(f"float32[{i}, 3]" for i in range(80))
+print(Fingerprint(7, "allreduce_coalesced", shapes, "sum").encode().hex())
+"""
+
+
+def test_long_fingerprint_is_the_same_in_every_process() -> None:
+    import os
+    import subprocess
+    import sys
+
+    encodings = []
+    for seed in ("1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", _ENCODE],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        encodings.append(done.stdout.strip())
+    assert encodings[0] == encodings[1], "the digest depends on the process's hash seed"
+    decoded = Fingerprint.decode(bytes.fromhex(encodings[0]))
+    assert decoded.tensors[0].startswith("80 tensors, ")

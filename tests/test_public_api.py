@@ -10,17 +10,21 @@ import asyncdist.errors
 
 EXPECTED = {
     "AsyncDistError",
+    "Channel",
     "CollectiveError",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "DistSession",
+    "FinishError",
     "GradientSync",
     "Handle",
     "InitError",
+    "MainFirst",
     "PeerFailure",
     "SessionBroken",
     "SessionClosed",
     "State",
+    "TraceBlock",
     "__version__",
     "spawn",
     "wait_all",
@@ -155,3 +159,58 @@ def test_training_loop_conveniences() -> None:
     block = session().main_first()  # the sync and the async form are one object
     for method in ("__enter__", "__exit__", "__aenter__", "__aexit__"):
         assert hasattr(block, method), method
+
+
+def test_every_type_a_public_method_returns_is_exported() -> None:
+    """DESIGN: the top level exports "every other type a public method
+    returns"; types of the standard library and torch need no export."""
+    import importlib
+    import pkgutil
+    import re
+
+    # every class asyncdist's own modules define, by name (annotations are
+    # strings here, and may name TYPE_CHECKING-only imports: read them as text)
+    ours: dict[str, type] = {}
+    for info in pkgutil.iter_modules(asyncdist.__path__, "asyncdist."):
+        if info.name.rpartition(".")[2] in ("__main__", "compat"):
+            continue  # the CLI, and compat's own surface
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                ours.setdefault(obj.__name__, obj)
+    exported = {getattr(asyncdist, name) for name in asyncdist.__all__}
+    missing = set()
+    for cls in (c for c in exported if inspect.isclass(c)):
+        for name in dir(cls):  # inherited methods too (the collective surface)
+            if name.startswith("_") and name not in ("__enter__", "__aenter__"):
+                continue
+            member = inspect.getattr_static(cls, name)
+            function = member.fget if isinstance(member, property) else member
+            if not inspect.isfunction(function):
+                continue
+            returned = str(function.__annotations__.get("return", ""))
+            for word in re.findall(r"[A-Za-z_]\w*", returned):
+                if word in ours and ours[word] not in exported:
+                    missing.add(f"{cls.__name__}.{name} -> {word}")
+    assert not missing, sorted(missing)
+
+
+def test_returned_types_are_the_exported_ones() -> None:
+    with asyncdist.DistSession() as s:
+        assert type(s.channel("x")) is asyncdist.Channel
+        assert type(s.main_first()) is asyncdist.MainFirst
+        assert type(s.trace("unused.json")) is asyncdist.TraceBlock
+
+
+def test_the_api_reference_documents_every_exported_name() -> None:
+    from pathlib import Path
+
+    reference = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    errors = set(asyncdist.errors.__all__) if hasattr(asyncdist.errors, "__all__") else set()
+    for name in asyncdist.__all__:
+        if name == "__version__" or name in errors:
+            continue  # the errors are documented with their module
+        obj = getattr(asyncdist, name)
+        if getattr(obj, "__module__", "") == "asyncdist.errors":
+            continue
+        assert f"::: asyncdist.{name}\n" in reference, name

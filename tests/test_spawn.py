@@ -247,3 +247,66 @@ def test_an_own_failure_is_raised_at_once(tmp_path: Path) -> None:
     delay = time.time() - float(Path(stamp).read_text())
     # the others' grace (3 s) plus reaping; it was 10 s
     assert delay < 5.0, f"spawn raised {delay:.1f} s after the failure"
+
+
+_UNGUARDED = """
+from asyncdist import spawn
+
+
+def work(session):
+    return session.rank
+
+
+try:
+    spawn(work, 2)  # no `if __name__ == "__main__":` around it
+except Exception as exc:
+    if __name__ == "__main__":  # a rank re-running this file runs it as __mp_main__
+        print(f"PARENT: {type(exc).__name__}: {exc}", flush=True)
+    raise
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_what_to_add(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED)
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0
+    parent = [line for line in done.stdout.splitlines() if line.startswith("PARENT: ")]
+    assert parent, done.stdout + done.stderr
+    assert 'if __name__ == "__main__":' in parent[0], parent[0]
+    assert "rank" in parent[0]
+    # raised when the first rank exits (each rank imports torch first)
+    assert elapsed < 30.0, f"took {elapsed:.1f} s"
+
+
+def test_the_launching_guide_gives_spawns_whole_signature() -> None:
+    import inspect
+    import re
+
+    guide = Path(__file__).parent.parent / "docs" / "guides" / "launching.md"
+    found = re.search(r"`(spawn\(fn, .*?\))`", guide.read_text(), re.S)
+    assert found, "the guide states spawn's signature"
+    documented = " ".join(found.group(1).split())
+    actual = inspect.signature(spawn)
+    parts = []
+    for name, param in actual.parameters.items():
+        if param.kind is param.KEYWORD_ONLY and "*" not in parts:
+            parts.append("*")
+        default = param.default
+        if default is param.empty:
+            parts.append(name)
+        else:
+            shown = "()" if default == () else f"{default:g}" if type(default) is float else None
+            parts.append(f"{name}={shown or repr(default).replace(chr(39), chr(34))}")
+    assert documented == f"spawn({', '.join(parts)})"
