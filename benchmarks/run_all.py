@@ -107,6 +107,15 @@ def plot(ran: list[str]) -> list[Path]:
     return written
 
 
+def _save(plt: Any, fig: Any, name: str) -> Path:
+    """Lay out ``fig``, write it under the results folder, and let it go."""
+    fig.tight_layout()
+    path = _common.RESULTS / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_latency(plt: Any, data: dict[str, Any]) -> Path:
     """Each waiting method's time over raw ``work.wait()``, per message size."""
     rows = data["rows"]
@@ -126,11 +135,7 @@ def plot_latency(plt: Any, data: dict[str, Any]) -> Path:
     ax.set_ylabel("time / raw work.wait()")
     ax.set_title("allreduce latency, 2 gloo ranks (median per op)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = _common.RESULTS / "latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, "latency.png")
 
 
 def plot_overlap(plt: Any, data: dict[str, Any]) -> Path:
@@ -156,11 +161,7 @@ def plot_overlap(plt: Any, data: dict[str, Any]) -> Path:
         "ms from launch (blue: 4 MiB allreduce on a 1 Gbit/s link; orange: device compute)"
     )
     ax.set_title(f"one step, rank 0: efficiency {data['efficiency']:.2f}")
-    fig.tight_layout()
-    path = _common.RESULTS / "overlap_timeline.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, "overlap_timeline.png")
 
 
 def plot_ddp(plt: Any, data: dict[str, Any]) -> Path:
@@ -206,11 +207,7 @@ def plot_ddp(plt: Any, data: dict[str, Any]) -> Path:
     ax.set_xlim(0, max(left) * 1.35)
     ax.set_title("where a training step's time goes")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2)
-    fig.tight_layout()
-    path = _common.RESULTS / "ddp_breakdown.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, "ddp_breakdown.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,49 +171,41 @@ def _launch_round(
     return issued
 
 
+def _issued_rounds(
+    s: DistSession, lanes: list[tuple[str, Any]], tallies: dict[str, _Tally], waited: str
+) -> Iterator[tuple[_Tally, list[tuple[str, Handle[Any], Check]]]]:
+    """Each round's launched ops, handed out for waiting inside the round's
+    mode (the generator is suspended inside ``with _mode``) or after it."""
+    for mode, round_, inside in _rounds():
+        name, lane = lanes[round_ % len(lanes)]
+        where = f"{name} round {round_} {waited} {'in' if inside else 'after'}"
+        with _mode(mode):
+            issued = _launch_round(lane, mode, s.rank, s.world_size, round_, tallies[mode], where)
+            if inside:
+                yield tallies[mode], issued
+        if not inside:
+            yield tallies[mode], issued
+
+
 def _sweep_sync(s: DistSession, lanes: list[tuple[str, Any]]) -> dict[str, Any]:
     tallies = {mode: _Tally() for mode in MODES}
-    r, w = s.rank, s.world_size
-
-    def wait(tally: _Tally, issued: list[tuple[str, Handle[Any], Check]]) -> None:
+    for tally, issued in _issued_rounds(s, lanes, tallies, "waited"):
         for what, handle, check in issued:
             try:
                 tally.record(what, check(handle.wait()))
             except Exception as exc:  # noqa: BLE001 - reported, and the sweep goes on
                 tally.failed(what, exc)
-
-    for mode, round_, inside in _rounds():
-        name, lane = lanes[round_ % len(lanes)]
-        where = f"{name} round {round_} waited {'in' if inside else 'after'}"
-        with _mode(mode):
-            issued = _launch_round(lane, mode, r, w, round_, tallies[mode], where)
-            if inside:
-                wait(tallies[mode], issued)
-        if not inside:
-            wait(tallies[mode], issued)
     return {mode: tally.report() for mode, tally in tallies.items()}
 
 
 async def _sweep_async(s: DistSession, lanes: list[tuple[str, Any]]) -> dict[str, Any]:
     tallies = {mode: _Tally() for mode in MODES}
-    r, w = s.rank, s.world_size
-
-    async def wait(tally: _Tally, issued: list[tuple[str, Handle[Any], Check]]) -> None:
+    for tally, issued in _issued_rounds(s, lanes, tallies, "awaited"):
         for what, handle, check in issued:
             try:
                 tally.record(what, check(await handle))
             except Exception as exc:  # noqa: BLE001 - reported, and the sweep goes on
                 tally.failed(what, exc)
-
-    for mode, round_, inside in _rounds():
-        name, lane = lanes[round_ % len(lanes)]
-        where = f"{name} round {round_} awaited {'in' if inside else 'after'}"
-        with _mode(mode):
-            issued = _launch_round(lane, mode, r, w, round_, tallies[mode], where)
-            if inside:
-                await wait(tallies[mode], issued)
-        if not inside:
-            await wait(tallies[mode], issued)
     return {mode: tally.report() for mode, tally in tallies.items()}
 
 
