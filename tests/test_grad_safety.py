@@ -66,6 +66,12 @@ async def _wait(sync: Any, how: str) -> None:
         await sync
 
 
+def _spawn(fn: Any, world: int, how: str, backend: str, *more: Any) -> list[Any]:
+    return spawn(
+        fn, world, args=(how, *more), timeout=60, async_backend=backend, channels=["gradients"]
+    )
+
+
 # -- a forgotten `await sync` ------------------------------------------------------------
 
 
@@ -128,14 +134,7 @@ async def _forgotten_await(s: DistSession, how: str) -> dict[str, Any]:
     [(2, "sync", "asyncio"), (3, "sync", "asyncio"), (2, "await", "asyncio"), (3, "await", "trio")],
 )
 def test_a_forgotten_await_raises_at_the_next_backward(world: int, how: str, backend: str) -> None:
-    results = spawn(
-        _forgotten_await,
-        world,
-        args=(how,),
-        timeout=60,
-        async_backend=backend,
-        channels=["gradients"],
-    )
+    results = _spawn(_forgotten_await, world, how, backend)
     for rank, r in enumerate(results):
         for key in ("error", "double_backward", "no_sync_in_flight"):
             assert "before its previous step finished" in r.get(key, ""), (rank, key, r)
@@ -273,14 +272,7 @@ async def _sessions_one_after_another(s: DistSession, how: str) -> dict[str, Any
     [(2, "sync", "asyncio"), (3, "await", "asyncio"), (2, "await", "trio")],
 )
 def test_hooks_come_off_when_the_session_ends(world: int, how: str, backend: str) -> None:
-    results = spawn(
-        _sessions_one_after_another,
-        world,
-        args=(how,),
-        timeout=60,
-        async_backend=backend,
-        channels=["gradients"],
-    )
+    results = _spawn(_sessions_one_after_another, world, how, backend)
     for r in results:
         assert r == {
             "local_after": True,
@@ -328,14 +320,7 @@ async def _buffers(s: DistSession, how: str, broadcast: bool) -> dict[str, Any]:
     [(2, "sync", "asyncio"), (3, "await", "asyncio"), (2, "await", "trio")],
 )
 def test_buffers_are_rank_0s_after_every_step(world: int, how: str, backend: str) -> None:
-    results = spawn(
-        _buffers,
-        world,
-        args=(how, True),
-        timeout=60,
-        async_backend=backend,
-        channels=["gradients"],
-    )
+    results = _spawn(_buffers, world, how, backend, True)
     for r in results:
         assert r["agreed"] == [True] * 4
         assert r["eval_agrees"]

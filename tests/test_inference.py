@@ -321,15 +321,18 @@ def _leaf(rank: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.full((2,), float(rank + 1)))
 
 
+def _failing_calls(s: DistSession) -> dict[str, Callable[[], Handle[Any]]]:
+    return {
+        "allreduce": lambda: s.allreduce(_leaf(s.rank), op="mean"),
+        "allreduce_coalesced": lambda: s.allreduce_coalesced([_leaf(s.rank)], op="sum"),
+    }
+
+
 def _failing_sync(s: DistSession) -> dict[str, Any]:
     """In grad mode, dividing a parameter in place is refused by autograd (as
     ``p.div_(2)`` is): the collective went fine, its local finish did not."""
     out: dict[str, Any] = {}
-    calls: dict[str, Callable[[], Handle[Any]]] = {
-        "allreduce": lambda: s.allreduce(_leaf(s.rank), op="mean"),
-        "allreduce_coalesced": lambda: s.allreduce_coalesced([_leaf(s.rank)], op="sum"),
-    }
-    for name, call in calls.items():
+    for name, call in _failing_calls(s).items():
         try:
             call().wait()
             out[name] = {"type": "no error"}
@@ -353,11 +356,7 @@ def _failing_sync(s: DistSession) -> dict[str, Any]:
 
 async def _failing_async(s: DistSession) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    calls: dict[str, Callable[[], Handle[Any]]] = {
-        "allreduce": lambda: s.allreduce(_leaf(s.rank), op="mean"),
-        "allreduce_coalesced": lambda: s.allreduce_coalesced([_leaf(s.rank)], op="sum"),
-    }
-    for name, call in calls.items():
+    for name, call in _failing_calls(s).items():
         try:
             await call()
             out[name] = {"type": "no error"}
