@@ -50,15 +50,28 @@ class Collectives:
     # -- argument checks (on the calling rank, before launch) -------------------------
 
     @staticmethod
-    def _tensor(comm: Comm, tensor: Any, op: str, what: str = "tensor") -> torch.Tensor:
+    def _tensor(
+        comm: Comm, tensor: Any, op: str, what: str = "tensor", *, read_only: bool = False
+    ) -> torch.Tensor:
         route = comm.route(tensor, collective=op, what=what)
         return _ops.check_tensor(
-            tensor, collective=op, backend=route.backend, device=route.device, what=what
+            tensor,
+            collective=op,
+            backend=route.backend,
+            device=route.device,
+            what=what,
+            read_only=read_only,
         )
 
     @staticmethod
     def _tensors(
-        comm: Comm, tensors: Any, op: str, what: str, *, per_rank: bool = False
+        comm: Comm,
+        tensors: Any,
+        op: str,
+        what: str,
+        *,
+        per_rank: bool = False,
+        read_only: bool = False,
     ) -> list[torch.Tensor]:
         # the first tensor's route; launching refuses a call that mixes routes
         first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else None
@@ -70,6 +83,7 @@ class Collectives:
             device=route.device,
             what=what,
             length=comm.world_size if per_rank else None,
+            read_only=read_only,
         )
 
     @staticmethod
@@ -137,7 +151,8 @@ class Collectives:
 
         Args:
             tensor: the same shape and dtype on every rank; with ``uneven``,
-                only the first dimension may differ.
+                only the first dimension may differ. It is only read, so it
+                may be non-contiguous (copied where the backend needs it).
             uneven: the first dimension differs between ranks (the last batch
                 of an epoch, say): the row counts are exchanged first, then
                 every rank's rows travel padded to the longest and come back
@@ -160,7 +175,7 @@ class Collectives:
         """
         name = "all_gather"
         comm = self._lane(name)
-        self._tensor(comm, tensor, name)
+        self._tensor(comm, tensor, name, read_only=True)
         if not isinstance(uneven, bool):
             raise TypeError(f"{name}: uneven must be a bool, not {type(uneven).__name__}")
         if uneven:
@@ -172,7 +187,7 @@ class Collectives:
                 name,
                 "all_gather",
                 lambda: list(out.view(world, *shape).unbind(0)),
-                inputs=(tensor.reshape(-1),),
+                inputs=(tensor.reshape(-1),),  # a copy only if tensor is strided
                 outputs=(out,),
                 shown=(tensor,),
             )
@@ -190,6 +205,7 @@ class Collectives:
         if tensor.dtype not in _ops.GLOO_DTYPES:  # the side group is gloo
             raise ValueError(f"{name}: uneven=True cannot carry dtype {tensor.dtype}")
         device = tensor.device
+        # (strided rows are fine: the exchange copies them into a padded buffer)
         staged = tensor if device.type == "cpu" else tensor.cpu()
 
         def finish(received: tuple[list[torch.Tensor], str]) -> list[torch.Tensor]:
@@ -216,7 +232,8 @@ class Collectives:
 
         ``tensor.numel()`` must be divisible by the world size. Rank ``r`` gets
         block ``r``: rows ``r*n/W .. (r+1)*n/W`` when the first dimension ``n``
-        divides, else the same slice of the flattened tensor.
+        divides, else the same slice of the flattened tensor. ``tensor`` is
+        only read, and may be non-contiguous.
 
         Returns:
             A handle whose result is this rank's block (a new tensor).
@@ -226,7 +243,7 @@ class Collectives:
         """
         name = "reduce_scatter"
         comm = self._lane(name)
-        self._tensor(comm, tensor, name)
+        self._tensor(comm, tensor, name, read_only=True)
         world = comm.world_size
         if tensor.numel() % world:
             raise ValueError(
@@ -244,7 +261,8 @@ class Collectives:
                 name,
                 "reduce_scatter",
                 _ops.averaged(out, reduction, world),
-                inputs=(_ops.wire(tensor).reshape(-1),),
+                # .contiguous(): a no-op unless strided (which view_as_real refuses)
+                inputs=(_ops.wire(tensor.contiguous()).reshape(-1),),
                 outputs=(_ops.wire(out).reshape(-1),),
                 reduce=reduction,
                 shown=(tensor,),
@@ -257,7 +275,8 @@ class Collectives:
         Element ``j`` of the result came from rank ``j`` and has the shape and
         dtype of ``inputs[j]`` (every rank sends rank ``j`` a tensor shaped like
         the one it receives from it). NCCL allows the shapes to differ pair by
-        pair; gloo needs one shape and dtype for every tensor.
+        pair; gloo needs one shape and dtype for every tensor. The inputs are
+        only read, and may be non-contiguous.
 
         Raises:
             TypeError, ValueError: not a list of one tensor per rank, or (gloo)
@@ -265,7 +284,10 @@ class Collectives:
         """
         name = "all_to_all"
         comm = self._lane(name)
-        chunks = self._tensors(comm, inputs, name, "inputs", per_rank=True)
+        chunks = [  # gloo and NCCL read contiguous memory: copy only what is strided
+            chunk.contiguous()
+            for chunk in self._tensors(comm, inputs, name, "inputs", per_rank=True, read_only=True)
+        ]
         if comm.route(chunks[0], collective=name).backend == "gloo":
             kinds = {describe(t) for t in chunks}
             if len(kinds) > 1:
@@ -306,7 +328,8 @@ class Collectives:
         )
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Handle[list[torch.Tensor] | None]:
-        """Collect every rank's ``tensor`` on rank ``dst``.
+        """Collect every rank's ``tensor`` on rank ``dst`` (it is only read, and
+        may be non-contiguous).
 
         Returns:
             A handle whose result is the list of tensors by rank on ``dst``,
@@ -314,13 +337,23 @@ class Collectives:
         """
         name = "gather"
         comm = self._lane(name)
-        self._tensor(comm, tensor, name)
+        self._tensor(comm, tensor, name, read_only=True)
         self._rank(comm, dst, name, "dst")
+        sent = tensor.contiguous()  # the same tensor unless strided
         gathered = (
-            [torch.empty_like(tensor) for _ in range(comm.world_size)] if comm.rank == dst else None
+            [torch.empty_like(sent) for _ in range(comm.world_size)] if comm.rank == dst else None
         )
         return comm.launch(
-            Spec(name, "gather", lambda: gathered, inputs=(tensor,), outputs=gathered, root=dst)
+            Spec(
+                name,
+                "gather",
+                lambda: gathered,
+                # complex as pairs of reals: gloo's gather has no complex types
+                inputs=(_ops.wire(sent),),
+                outputs=None if gathered is None else [_ops.wire(g) for g in gathered],
+                root=dst,
+                shown=(tensor,),
+            )
         )
 
     def scatter(
@@ -332,9 +365,9 @@ class Collectives:
         """Fill ``out`` on every rank with its chunk of ``chunks`` from rank ``src``.
 
         Args:
-            out: receives this rank's chunk.
-            chunks: on ``src``, one tensor per rank, each shaped like ``out``;
-                ignored elsewhere.
+            out: receives this rank's chunk (contiguous: it is written in place).
+            chunks: on ``src``, one tensor per rank, each shaped like ``out``
+                (non-contiguous ones are copied); ignored elsewhere.
 
         Returns:
             A handle whose result is ``out``.
@@ -347,7 +380,9 @@ class Collectives:
         if comm.rank == src:
             if chunks is None:
                 raise ValueError(f"{name}: rank {src} is the source and must pass chunks")
-            pieces = self._tensors(comm, chunks, name, "chunks", per_rank=True)
+            pieces = self._tensors(comm, chunks, name, "chunks", per_rank=True, read_only=True)
+            # gloo reads a strided chunk as if it were contiguous (wrong values): copy it
+            pieces = [piece.contiguous() for piece in pieces]
             for piece in pieces:
                 if piece.shape != out.shape or piece.dtype != out.dtype:
                     raise ValueError(
@@ -367,7 +402,8 @@ class Collectives:
         )
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle[None]:
-        """Send ``tensor`` to rank ``dst`` (which must ``recv`` it).
+        """Send ``tensor`` to rank ``dst`` (which must ``recv`` it). It is only
+        read, and may be non-contiguous (a contiguous copy is sent).
 
         Point-to-point ops involve two ranks only, so debug mode does not
         fingerprint them.
@@ -377,11 +413,15 @@ class Collectives:
         """
         name = "send"
         comm = self._lane(name)
-        self._tensor(comm, tensor, name)
+        self._tensor(comm, tensor, name, read_only=True)
         _ops.check_peer(
             dst, rank=comm.rank, world_size=comm.world_size, collective=name, what="dst"
         )
-        return comm.launch(Spec(name, "send", lambda: None, inputs=(tensor,), root=dst))
+        # gloo refuses a strided tensor to send: copy it (a contiguous one is sent as is)
+        sent = tensor.contiguous()
+        return comm.launch(
+            Spec(name, "send", lambda: None, inputs=(sent,), root=dst, shown=(tensor,))
+        )
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle[torch.Tensor]:
         """Receive into ``tensor`` what rank ``src`` sends.

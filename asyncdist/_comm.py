@@ -42,7 +42,7 @@ from ._handle import Completer, Handle, Health, Watchdog
 from ._store import LeaveNotices
 from ._trace import Tracer
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
-from .errors import CollectiveMismatch, translate
+from .errors import CollectiveMismatch, Leaving, translate
 
 logger = logging.getLogger("asyncdist")
 
@@ -336,7 +336,9 @@ class Comm:
         self.timeout = timeout
         self.debug = debug
         self.loopback = loopback
-        self.health = health if health is not None else Health(rank=rank, timeout=timeout)
+        self.health = (
+            health if health is not None else Health(rank=rank, timeout=timeout, debug=debug)
+        )
         self._owns = owns
         self._parent = parent
         self._children: list[Comm] = []
@@ -633,7 +635,12 @@ class Comm:
         except (RuntimeError, ValueError) as exc:
             # refused by torch before anything reached the wire
             raise translate(
-                exc, op=spec.op, rank=self.rank, timeout=self.timeout, left=handle._left()
+                exc,
+                op=spec.op,
+                rank=self.rank,
+                timeout=self.timeout,
+                left=handle._left(),
+                debug=self.debug,
             ) from exc
         key = _futureless(spec) if route.backend == "gloo" else None
         if key is not None:
@@ -719,14 +726,15 @@ class Comm:
     def closed(self) -> bool:
         return self._closed
 
-    def leave(self, *, finished: bool) -> None:
+    def leave(self, how: Leaving) -> None:
         """Tell the peers that this rank leaves this lane (and the lanes inside
         it) on purpose, before any group is destroyed: a peer still waiting in
-        a collective then learns why its connection closed. ``finished``: the
-        block ended normally. Skipped once broken (the fault explains it).
-        Bounded by ``NOTICE_TIMEOUT``; one store request when all is well."""
+        a collective then learns why its connection closed. ``how``: how the
+        block ended (normally, by an exception, an interrupt, a cancellation).
+        Skipped once broken (the fault explains it). Bounded by
+        ``NOTICE_TIMEOUT``; one store request when all is well."""
         if self._notices is not None and not self._closed and self.health.fault is None:
-            self._notices.post(self.health.rank, finished=finished)
+            self._notices.post(self.health.rank, how)
 
     def close(self) -> None:
         """Release everything, in the order that keeps gloo from aborting

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _ops
+from . import _ops, _wakeup
 from ._handle import Handle, combined
 from ._wakeup import issuing_as
 from .errors import AsyncDistError
@@ -612,9 +612,13 @@ class GradientSync:
                 handle.wait()
 
     async def _wait_async(self) -> None:
+        awaited = False
         if self._enabled and not self._removed:
             for handle in self._finish():
-                await handle
+                await handle  # on trio, a checkpoint even when done
+                awaited = True
+        if not awaited and _wakeup.on_trio():  # trio's rule: every await is a checkpoint
+            await _wakeup.trio_checkpoint()
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait_async().__await__()

@@ -102,11 +102,12 @@ class Health:
     Holds no reference to the process group (see the module docstring).
     """
 
-    __slots__ = ("fault", "fault_seen", "last_progress", "rank", "timeout")
+    __slots__ = ("debug", "fault", "fault_seen", "last_progress", "rank", "timeout")
 
-    def __init__(self, *, rank: int, timeout: float) -> None:
+    def __init__(self, *, rank: int, timeout: float, debug: bool = False) -> None:
         self.rank = rank
         self.timeout = timeout
+        self.debug = debug  # debug mode: mismatches are caught before the backend
         self.fault: BaseException | None = None
         self.fault_seen = False  # the user was shown a fault of this session
         self.last_progress = time.monotonic()
@@ -133,7 +134,9 @@ class Health:
         """Translate a backend error raised straight to the caller, break the
         session with it and mark it seen; the caller raises the result.
         ``left``: see ``translate``."""
-        error = translate(exc, op=op, rank=self.rank, timeout=self.timeout, left=left)
+        error = translate(
+            exc, op=op, rank=self.rank, timeout=self.timeout, left=left, debug=self.debug
+        )
         if error is not exc:
             error.__cause__ = exc
         self.break_(error)
@@ -320,8 +323,12 @@ class Handle(Generic[T_co]):
 
     The collective is already running when you hold its handle.  Await it
     (``await h``, on asyncio or trio) or call ``h.wait()`` to get its result;
-    both can be repeated and mixed.  There is no public constructor: handles
-    come from [DistSession][asyncdist.DistSession] methods and [wait_all][asyncdist.wait_all].
+    both can be repeated and mixed.  Awaiting follows each loop's convention
+    for something already complete: on asyncio a done handle returns at once,
+    without yielding (like a done future); on trio every ``await h`` is a
+    checkpoint (a cancel point and a schedule point), done or not.  There is
+    no public constructor: handles come from
+    [DistSession][asyncdist.DistSession] methods and [wait_all][asyncdist.wait_all].
     """
 
     __slots__ = (
@@ -490,7 +497,12 @@ class Handle(Generic[T_co]):
             check()
         except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
             error = translate(
-                exc, op=self._op, rank=health.rank, timeout=health.timeout, left=self._left()
+                exc,
+                op=self._op,
+                rank=health.rank,
+                timeout=health.timeout,
+                left=self._left(),
+                debug=health.debug,
             )
             if error is not exc:
                 # The backend's traceback is this frame and, through it, its
@@ -604,13 +616,15 @@ class Handle(Generic[T_co]):
                 budget = min(budget, deadline - time.monotonic())
             try:
                 work.wait(datetime.timedelta(seconds=max(budget, 0.001)))
-            except RuntimeError:
-                if not work.is_completed():  # only our slice ran out
-                    if deadline is not None and time.monotonic() >= deadline:
-                        return
-                    if self._budget() <= 0:
-                        self._expire()
-                    continue
+                sliced = False  # (NCCL: ordered on the stream; is_completed may lag)
+            except RuntimeError:  # the slice ran out, or the work failed
+                sliced = not work.is_completed()
+            if sliced:  # outside the except: an expiry must not chain the slice's error
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                if self._budget() <= 0:
+                    self._expire()
+                continue
             self._settle(work.wait)
             return
 
@@ -622,19 +636,17 @@ class Handle(Generic[T_co]):
             torch.cuda.current_stream().synchronize()
         return result
 
-    async def _wait_async(self) -> T_co:
+    async def _settled(self) -> None:
+        """Sleep on the loop until this handle is settled (a cancel point);
+        the caller checked that it is not done yet."""
+        self._hook()
         completion = self._completion
-        if not self.done():
-            self._hook()
-            await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
-        return self._result()
+        await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
 
     async def _join_async(self) -> BaseException | None:
         """``_join`` for an async exit: waits on the loop, never raises."""
         if not self.done():
-            self._hook()
-            completion = self._completion
-            await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
+            await self._settled()
         return None if self._observed else self._completion.error()
 
     def _hook(self) -> None:
@@ -650,7 +662,13 @@ class Handle(Generic[T_co]):
         self._work.get_future().add_done_callback(on_future)
 
     def __await__(self) -> Generator[Any, None, T_co]:
-        return self._wait_async().__await__()
+        # A generator rather than a coroutine's __await__: awaiting a done
+        # handle on asyncio stays one frame and a plain return.
+        if not self.done():
+            yield from self._settled().__await__()
+        elif _wakeup.on_trio():  # every await is a checkpoint there; not on asyncio
+            yield from _wakeup.trio_checkpoint().__await__()
+        return self._result()
 
 
 class _AllHandle(Handle[list[Any]]):
@@ -681,8 +699,33 @@ class _AllHandle(Handle[list[Any]]):
     def synchronize(self) -> Any:
         return self._combine([part.synchronize() for part in self._parts])
 
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait_async().__await__()
+
     async def _wait_async(self) -> Any:
-        return self._combine([await part for part in self._parts])
+        # trio is owed one checkpoint in all (not one per part): a part's
+        # sleep, or else one for the parts done already
+        owed = _wakeup.on_trio()
+        if owed and self.done():
+            await _wakeup.trio_checkpoint()
+            owed = False
+        results = []
+        for part in self._parts:
+            if not part.done():
+                await part._settled()
+                owed = False
+            results.append(part._result())  # the first failing part raises, in order
+        if owed:  # the parts pending at first finished meanwhile
+            await _wakeup.trio_checkpoint()
+        return self._combine(results)
+
+    async def _settled(self) -> None:
+        for part in self._parts:
+            if not part.done():
+                await part._settled()
+
+    def _result(self) -> Any:
+        return self._combine([part._result() for part in self._parts])
 
 
 def wait_all(handles: Iterable[Handle[T]]) -> Handle[list[T]]:

@@ -139,12 +139,15 @@ def _resolve(op: Any, dtype: torch.dtype, *, backend: str, collective: str) -> R
     return Reduction(name, _BY_NAME[name], divide=False)
 
 
-# Collectives that write their result into the tensor passed, and what they do
-# with it: a result written into a contiguous copy of a strided view would not
-# reach the view, so the caller must pass the copy and read the result from it.
+# What each collective that writes into the tensor passed does with it: a
+# result written into a contiguous copy of a strided view would not reach the
+# view, so the caller must pass the copy and read the result from it. Tensors
+# that are only read need no such care: the collective copies them (only when
+# strided) where the backend reads contiguous memory.
 _WRITES_INTO = {
     "allreduce": "reduce",
     "allreduce_coalesced": "reduce",
+    "allreduce_tree": "reduce",
     "reduce": "reduce",
     "broadcast": "broadcast",
     "recv": "receive into",
@@ -153,14 +156,8 @@ _WRITES_INTO = {
 
 
 def _not_contiguous(collective: str, what: str) -> str:
-    """The message for a strided ``what``, worded for what ``collective`` does with it."""
-    written = what.partition("[")[0] in ("tensor", "tensors", "out")  # not scatter's chunks
-    verb = _WRITES_INTO.get(collective) if written else None
-    if verb is None:  # the tensor is only read: a contiguous copy does
-        return (
-            f"{collective}: {what} is not contiguous; pass {what}.contiguous() instead "
-            "(the backend reads contiguous memory only)"
-        )
+    """The message for a strided ``what`` that ``collective`` writes into."""
+    verb = _WRITES_INTO.get(collective, "use")
     return (
         f"{collective}: {what} is not contiguous; call .contiguous() and {verb} that "
         "copy, then read the result from it (a collective on a strided view would not "
@@ -169,20 +166,31 @@ def _not_contiguous(collective: str, what: str) -> str:
 
 
 def check_tensor(
-    tensor: Any, *, collective: str, backend: str, device: torch.device, what: str = "tensor"
+    tensor: Any,
+    *,
+    collective: str,
+    backend: str,
+    device: torch.device,
+    what: str = "tensor",
+    read_only: bool = False,
 ) -> torch.Tensor:
     """Return ``tensor`` if a collective on ``backend`` can take it.
 
+    ``read_only``: the collective only reads ``tensor``, so it may be strided
+    (the caller copies it where the backend needs contiguous memory); a
+    tensor written in place must be contiguous.
+
     Raises:
         TypeError: not a tensor.
-        ValueError: sparse, non-contiguous, a dtype the backend cannot carry,
-            or on a device this session's backend cannot use.
+        ValueError: sparse, non-contiguous and written in place, a dtype the
+            backend cannot carry, or on a device this session's backend
+            cannot use.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{collective}: {what} must be a torch.Tensor, not {type(tensor).__name__}")
     if tensor.is_sparse:
         raise ValueError(f"{collective}: {what} is sparse; pass a dense tensor")
-    if not tensor.is_contiguous():
+    if not read_only and not tensor.is_contiguous():
         raise ValueError(_not_contiguous(collective, what))
     if backend == "gloo":
         if tensor.dtype not in GLOO_DTYPES:
@@ -236,8 +244,9 @@ def tensor_list(
     device: torch.device,
     what: str,
     length: int | None = None,
+    read_only: bool = False,
 ) -> list[torch.Tensor]:
-    """Return ``tensors`` as a list if each passes ``check_tensor``.
+    """Return ``tensors`` as a list if each passes ``check_tensor`` (with ``read_only``).
 
     Raises:
         TypeError: not a sequence of tensors.
@@ -252,7 +261,14 @@ def tensor_list(
             f"{collective}: {what} must hold {length} tensors (one per rank), not {len(tensors)}"
         )
     return [
-        check_tensor(t, collective=collective, backend=backend, device=device, what=f"{what}[{i}]")
+        check_tensor(
+            t,
+            collective=collective,
+            backend=backend,
+            device=device,
+            what=f"{what}[{i}]",
+            read_only=read_only,
+        )
         for i, t in enumerate(tensors)
     ]
 

@@ -47,7 +47,14 @@ from ._grad import GradientSync, Options
 from ._handle import Handle
 from ._store import forget, session_store
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
-from .errors import AsyncDistError, FinishError, InitError, SessionBroken, SessionClosed
+from .errors import (
+    AsyncDistError,
+    FinishError,
+    InitError,
+    Leaving,
+    SessionBroken,
+    SessionClosed,
+)
 
 logger = logging.getLogger("asyncdist")
 
@@ -92,6 +99,41 @@ def _name_groups_afresh() -> None:
     default group exists, so no group carries a counter-given name.
     """
     distributed_c10d._world.group_count = 0
+
+
+def _leaving(exc: BaseException | None, cancelled: type[BaseException] | None = None) -> Leaving:
+    """How a block ended, for the notice its peers read: an interrupt
+    (Ctrl-C) is not a rank's failure, so it is told apart from an exception."""
+    if exc is None:
+        return "finished"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if cancelled is not None and isinstance(exc, cancelled):
+        return "cancelled"
+    return "raised"
+
+
+def _quiet_interrupt(exc: BaseException | None) -> None:
+    """Hide a raw backend error that a ``KeyboardInterrupt`` leaving the
+    session happened to interrupt the handling of.
+
+    With every rank interrupted, a rank waiting in a collective often sees
+    its peer leave first: gloo's "Connection closed by peer" is raised, and
+    the interrupt lands while asyncdist handles it, so Python would print
+    the raw error above the ``KeyboardInterrupt``. The peer's departure is
+    reported, translated, when the session is left; the raw text is noise.
+    """
+    if not isinstance(exc, KeyboardInterrupt):
+        return
+    context = exc.__context__
+    if not isinstance(context, RuntimeError) or isinstance(context, AsyncDistError):
+        return
+    tb = context.__traceback__
+    while tb is not None:  # raised into asyncdist's code, never seen by the program
+        if tb.tb_frame.f_globals.get("__name__", "").startswith(f"{__package__}."):
+            exc.__suppress_context__ = True
+            return
+        tb = tb.tb_next
 
 
 GRADIENTS = "gradients"  # the channel gradient_sync uses by default
@@ -267,7 +309,8 @@ class DistSession(Collectives):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._close(raise_errors=exc is None)
+        _quiet_interrupt(exc)
+        self._close(_leaving(exc))
 
     async def __aenter__(self) -> DistSession:
         # Forming the group waits for peers: keep that off the event loop.
@@ -288,11 +331,13 @@ class DistSession(Collectives):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        _quiet_interrupt(exc)
+        how = _leaving(exc, anyio.get_cancelled_exc_class())
         # Shielded: a cancellation must not leave the group half torn down.
         with anyio.CancelScope(shield=True):
             unseen = [await handle._join_async() for handle in self._drain()]
             # joining worker threads and destroying the group can block: not on the loop
-            await anyio.to_thread.run_sync(functools.partial(self._teardown, left=exc is None))
+            await anyio.to_thread.run_sync(functools.partial(self._teardown, left=how))
         self._report(unseen, raise_errors=exc is None)
 
     def _open(self) -> None:
@@ -428,10 +473,10 @@ class DistSession(Collectives):
             return []
         return self._comm.drain()
 
-    def _close(self, *, raise_errors: bool) -> None:
+    def _close(self, how: Leaving) -> None:
         unseen = [handle._join() for handle in self._drain()]
-        self._teardown(left=raise_errors)
-        self._report(unseen, raise_errors=raise_errors)
+        self._teardown(left=how)
+        self._report(unseen, raise_errors=how == "finished")
 
     def _report(self, unseen: Iterable[BaseException | None], *, raise_errors: bool) -> None:
         """Surface failures of outstanding handles nobody waited on: nothing is lost.
@@ -457,14 +502,14 @@ class DistSession(Collectives):
             health.fault_seen = True  # once, not again at a parent session's exit
             raise fault
 
-    def _teardown(self, *, left: bool | None = None) -> None:
-        """Release everything. ``left``: the block ended (``True``: normally,
-        ``False``: by an exception), so first tell the peers this rank left on
-        purpose, once for the lanes inside this one too."""
+    def _teardown(self, *, left: Leaving | None = None) -> None:
+        """Release everything. ``left``: how the block ended (normally, by an
+        exception, an interrupt, a cancellation), so first tell the peers this
+        rank left on purpose, once for the lanes inside this one too."""
         if self._state is not State.OPEN:
             return
         for sync in list(self._syncs):
-            if sync.pending and left:  # (after an exception, that is the news)
+            if sync.pending and left == "finished":  # (else the exception is the news)
                 logger.warning(
                     "rank %d: %r ends with the session mid-step: its last backward was "
                     "never followed by `await sync` / `sync.wait()`, so those gradients were "
@@ -475,7 +520,7 @@ class DistSession(Collectives):
             sync.remove()  # backward after the session is plain local autograd
         self._syncs.clear()
         if left is not None and self._comm is not None:
-            self._comm.leave(finished=left)
+            self._comm.leave(left)
         for child in list(self._children):
             child._teardown()
         self._state = State.CLOSED
@@ -495,7 +540,7 @@ class DistSession(Collectives):
     def close(self) -> None:
         """Leave the session now (as ``with`` does on exit). Closing twice is fine."""
         if self._state is State.OPEN:
-            self._close(raise_errors=True)
+            self._close("finished")
         else:
             self._state = State.CLOSED
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._store import host_loopback_store
-from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken
+from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken, mismatch_hint
 
 # Once a rank's own error (or its death) is known, the other ranks get this
 # long to finish or fail on their own (they usually see PeerFailure at once,
@@ -323,18 +323,7 @@ def _died(rank: int, exitcode: int | None, debug: bool) -> PeerFailure | Runtime
         return RuntimeError(f"spawn: rank {rank} could not start: {UNGUARDED_HINT}")
     message = f"rank {rank} exited with code {exitcode} without returning a result"
     if exitcode == -signal.SIGABRT:
-        message += (
-            " (killed by SIGABRT). This is how gloo reports mismatched collectives: "
-            "ranks that issued different ops, or tensors of different shapes or dtypes, "
-            "in the same place."
-        )
-        if debug:
-            message += " debug mode was on, so look for a crash in native code (its stderr)."
-        else:
-            message += (
-                " Run with debug=True (or ASYNCDIST_DEBUG=1) to get a CollectiveMismatch "
-                "on every rank naming what differs."
-            )
+        message += f" (killed by SIGABRT). {mismatch_hint(debug=debug)}"
     return PeerFailure(message, op="spawn", rank=rank)
 
 

@@ -28,12 +28,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import torch.distributed as dist
 
 from ._env import LOOPBACK, LaunchEnv, bind_loopback, is_loopback
-from .errors import Departure, InitError
+from .errors import Departure, InitError, Leaving
 
 logger = logging.getLogger("asyncdist")
 T = TypeVar("T")
@@ -239,6 +239,7 @@ def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Stor
 # is abandoned past this bound, so a dead or unreachable store can neither slow
 # a session's exit nor hold up an error by more than this.
 NOTICE_TIMEOUT = 2.0
+_LEAVINGS: dict[str, Leaving] = {how: how for how in get_args(Leaving)}
 # Sessions over a group this process formed, numbered in opening order (every
 # rank opens them in the same order), so each one's notices have keys of their
 # own even on a store that outlives it.
@@ -265,7 +266,8 @@ class LeaveNotices:
     """The notices by which the ranks of one lane (a session, a sub-session,
     a channel) tell each other that they left it on purpose.
 
-    A rank leaving a session appends ``"<rank>:finished,"`` (or ``raised``)
+    A rank leaving a session appends ``"<rank>:<how>,"`` (``finished``,
+    ``raised``, ``interrupted`` or ``cancelled``: how its block ended)
     under the lane's key *before* it destroys any group, so a peer whose
     collective fails on the closed connection finds the notice: it reads its
     own lane's key and every enclosing lane's (leaving a session leaves its
@@ -313,12 +315,13 @@ class LeaveNotices:
             notices = notices._parent
         return None if notices is None else notices._store
 
-    def post(self, rank: int, *, finished: bool) -> None:
-        """Tell this lane's peers that ``rank`` leaves it now (bounded)."""
+    def post(self, rank: int, how: Leaving) -> None:
+        """Tell this lane's peers that ``rank`` leaves it now, and how its
+        block ended (bounded)."""
         store = self._root_store()
         if store is None:
             return
-        entry = f"{rank}:{'finished' if finished else 'raised'},"
+        entry = f"{rank}:{how},"
         # Store.append is missing from torch's stubs, not from torch
         _bounded(lambda: store.append(self._key, entry))  # type: ignore[attr-defined]
 
@@ -342,8 +345,8 @@ class LeaveNotices:
                 for entry in store.get(lane._key).decode().split(","):
                     peer, _, how = entry.partition(":")
                     if peer.isdigit() and int(peer) != rank and int(peer) in self.members:
-                        finished = how == "finished"
-                        return Departure(int(peer), finished, lane.label, self.label, number)
+                        said = _LEAVINGS.get(how, "raised")
+                        return Departure(int(peer), said, lane.label, self.label, number)
             return None
 
         return _bounded(read)

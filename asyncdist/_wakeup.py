@@ -40,6 +40,29 @@ async def wait_for(
         await _wait_asyncio(add_callback, remove)
 
 
+def on_trio() -> bool:
+    """Whether this runs in a trio task, in one attribute read: trio names
+    itself in sniffio's thread-local while it runs. (``current_async_library()``
+    reads it too, but answers asyncio only after looking up the running task:
+    more than a done handle's fast path should spend.)"""
+    return sniffio.thread_local.name == "trio"
+
+
+async def trio_checkpoint() -> None:
+    """What awaiting something already complete owes a trio loop (trio's rule:
+    every await is a cancel point and a schedule point, so a loop of quick
+    awaits neither starves the other tasks nor misses a cancellation).
+    asyncio's convention differs (a done future does not yield): callers
+    check ``on_trio()`` first, which keeps asyncio's fast path a plain return.
+
+    Raises:
+        trio.Cancelled: the surrounding scope is cancelled.
+    """
+    import trio
+
+    await trio.lowlevel.checkpoint()
+
+
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():  # it may have been cancelled meanwhile
         future.set_result(None)

@@ -98,8 +98,11 @@ class PeerFailure(CollectiveError):
     """Raised when a peer died or closed its connection during a collective.
 
     A peer that *left the session* on purpose (its block ended while this
-    rank still waited: the ranks issued different numbers of collectives)
-    is told apart from one that crashed, and the message says which.
+    rank still waited: the ranks issued different numbers of collectives;
+    or it raised, was interrupted with Ctrl-C, or was cancelled) is told
+    apart from one that vanished, and the message says which. A peer that
+    vanished may have been aborted by gloo, which is how gloo reports
+    mismatched collectives: the message then points at ``debug=True``.
     """
 
 
@@ -116,14 +119,37 @@ class FinishError(CollectiveError):
     """
 
 
+Leaving = Literal["finished", "raised", "interrupted", "cancelled"]
+"""How a rank's block left a lane: it ended normally, by an exception, by
+``KeyboardInterrupt`` (Ctrl-C, SIGINT), or by cancellation of its task."""
+
+
 class Departure(NamedTuple):
     """A peer's notice that it left a lane on purpose (see ``translate``)."""
 
     rank: int  # the peer, by its rank in the session
-    finished: bool  # its block ended normally (else by an exception)
+    how: Leaving  # how its block ended
     left: str  # what it left: "the session", "the sub-session of ranks 0..1", ...
     lane: str  # where this rank waited: the same, or "channel 'metrics'", ...
     number: int  # the collective this rank waited in: that lane's n-th, from 1
+
+
+def mismatch_hint(*, debug: bool = False) -> str:
+    """What a rank that gloo aborted (``gloo::EnforceNotMet``, SIGABRT) most
+    likely means, and how to find out: one text for spawn, which sees the
+    rank die, and for the ranks that see it vanish (under torchrun the only
+    ones that report). ``debug``: debug mode was on, so mismatches are caught
+    before gloo sees them."""
+    hint = (
+        "This is how gloo reports mismatched collectives: ranks that issued different "
+        "ops, or tensors of different shapes or dtypes, in the same place."
+    )
+    if debug:
+        return hint + " Debug mode was on, so look for a crash in native code (its stderr)."
+    return hint + (
+        " Run with debug=True (or ASYNCDIST_DEBUG=1) to get a CollectiveMismatch on every "
+        "rank naming what differs."
+    )
 
 
 _PEER_GONE_MARKERS = (
@@ -192,6 +218,7 @@ def translate(
     rank: int,
     timeout: float | None,
     left: Callable[[], Departure | None] | None = None,
+    debug: bool = False,
 ) -> AsyncDistError:
     """Map an exception raised by torch/gloo for a collective to an asyncdist error.
 
@@ -204,7 +231,10 @@ def translate(
 
     ``left``, asked only when a peer closed its connection, reads whether
     that peer left the session on purpose (a bounded look-up in the store);
-    the message then says so instead of blaming a crash.
+    the message then says so (and how: finished, raised, interrupted,
+    cancelled) instead of blaming a crash. A peer gone without a notice
+    died: the message adds what a rank that gloo aborted means (see
+    ``mismatch_hint``, worded for ``debug`` mode).
 
     The caller raises the result ``from exc``.  Exceptions that already are
     asyncdist errors are returned unchanged.
@@ -225,9 +255,13 @@ def translate(
         departure = None if left is None else left()
         if departure is not None:
             return PeerFailure(_left_early(departure, op=op, rank=rank), op=op, rank=rank)
+        # No notice: the peer vanished mid-collective. Under torchrun this is
+        # all a user sees of a rank gloo aborted, so say what that means.
         return PeerFailure(
-            f"{op} on rank {rank} failed because a peer died or closed its connection. "
-            "Check the logs of the other ranks for the first error.",
+            f"{op} on rank {rank} failed because a peer died or closed its connection "
+            "without leaving the session. Check the logs of the other ranks for the first "
+            "error; gloo::EnforceNotMet there (that rank was killed by SIGABRT) means gloo "
+            f"aborted it. {mismatch_hint(debug=debug)}",
             op=op,
             rank=rank,
         )
@@ -273,18 +307,29 @@ def finish_failed(exc: BaseException, *, op: str, rank: int) -> BaseException:
 
 
 def _left_early(departure: Departure, *, op: str, rank: int) -> str:
-    peer, lane, number = departure.rank, departure.lane, departure.number
+    peer, lane, number, how = departure.rank, departure.lane, departure.number, departure.how
     where = "" if lane == departure.left else f" on {lane}"
-    if departure.finished:
+    waited = f"while this rank ({rank}) still waited in {op} #{number}{where}"
+    if how == "finished":
         return (
-            f"rank {peer} left {departure.left} while this rank ({rank}) still waited in "
-            f"{op} #{number}{where}: the ranks issued different numbers of collectives. "
-            f"#{number} counts the collectives rank {rank} issued on {lane}; check that "
-            "every rank issues as many (uneven data, or a loop or an early return that "
-            "differs by rank)."
+            f"rank {peer} left {departure.left} {waited}: the ranks issued different numbers "
+            f"of collectives. #{number} counts the collectives rank {rank} issued on {lane}; "
+            "check that every rank issues as many (uneven data, or a loop or an early "
+            "return that differs by rank)."
+        )
+    if how == "interrupted":
+        return (
+            f"rank {peer} was interrupted (KeyboardInterrupt: Ctrl-C or SIGINT) and left "
+            f"{departure.left} {waited}: the interrupt ended it, no rank crashed."
+        )
+    if how == "cancelled":
+        return (
+            f"rank {peer} left {departure.left} because its task was cancelled (a cancel "
+            "scope or timeout ended its block; under asyncio, Ctrl-C interrupts a program "
+            f"by cancelling its main task) {waited}. Check rank {peer}'s log if that was "
+            "not meant."
         )
     return (
-        f"rank {peer} left {departure.left} by an exception while this rank ({rank}) "
-        f"still waited in {op} #{number}{where}. Check rank {peer}'s log: that exception "
-        "is the first error."
+        f"rank {peer} left {departure.left} by an exception {waited}. Check rank {peer}'s "
+        "log: that exception is the first error."
     )

@@ -12,6 +12,12 @@ backend; each op is timed alone and the figure is the per-op median, the
 ratio method / raw from the same run. Goal (issue 4): <= 1.05x
 for <= 64 KiB, <= 1.02x for >= 1 MiB.
 
+A second table prices awaiting a handle that is already done, per loop:
+``h.wait()``, ``await h`` and a bare ``anyio.lowlevel.checkpoint()``, in
+interleaved batches (one op is too short to time alone). On trio every
+``await h`` is a checkpoint (issue 23), so there it costs about one
+checkpoint more than ``wait()``; on asyncio a done handle does not yield.
+
     python benchmarks/latency.py [--reps N] [--max-mib 64] [--smoke]
 """
 
@@ -34,6 +40,7 @@ def _rank(session: Any, reps: int, sizes: list[int]) -> dict[str, Any]:
     """Per size, per loop: ``reps`` rounds of raw / wait / await, one op each,
     in rotating order; every op timed on its own (medians resist noise)."""
     import anyio
+    import anyio.lowlevel
     import torch
     import torch.distributed as dist
 
@@ -55,6 +62,26 @@ def _rank(session: Any, reps: int, sizes: list[int]) -> dict[str, Any]:
                 times[method].append(clock() - t0)
         return times
 
+    async def measure_done(handle: Any, batches: int, ops: int) -> dict[str, list[float]]:
+        methods = ("wait", "await", "yield")
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        clock, checkpoint = time.perf_counter, anyio.lowlevel.checkpoint
+        for r in range(batches):
+            for k in range(3):
+                method = methods[(r + k) % 3]
+                t0 = clock()
+                if method == "wait":
+                    for _ in range(ops):
+                        handle.wait()
+                elif method == "await":
+                    for _ in range(ops):
+                        await handle
+                else:
+                    for _ in range(ops):
+                        await checkpoint()
+                times[method].append((clock() - t0) / ops)
+        return times
+
     out: dict[str, Any] = {}
     for size in sizes:
         tensor = torch.zeros(max(1, size // 4), dtype=torch.float32)
@@ -63,7 +90,42 @@ def _rank(session: Any, reps: int, sizes: list[int]) -> dict[str, Any]:
         for backend in ("asyncio", "trio"):
             anyio.run(measure, tensor, 3, backend=backend)  # warm-up
             out[str(size)][backend] = anyio.run(measure, tensor, count, backend=backend)
+    done = session.allreduce(torch.zeros(1))
+    done.wait()
+    batches = max(10, reps // 3)
+    out["done"] = {}
+    for backend in ("asyncio", "trio"):
+        anyio.run(measure_done, done, 2, DONE_OPS, backend=backend)  # warm-up
+        out["done"][backend] = anyio.run(measure_done, done, batches, DONE_OPS, backend=backend)
     return out
+
+
+DONE_OPS = 200  # awaits of a done handle per timed batch
+
+
+def summarize_done(
+    results: dict[str, Any],
+) -> tuple[str, list[str], list[list[str]], list[dict[str, Any]]] | None:
+    """Rank 0's timings of a done handle, per loop -> the second table's
+    title, columns and rows, and its JSON rows (None if not measured)."""
+    if "done" not in results:
+        return None
+    rows, table = [], []
+    for backend, runs in results["done"].items():
+        med = {method: _common.median(times) for method, times in runs.items()}
+        ratio = med["await"] / med["wait"]
+        rows.append({"loop": backend, "median_s": med, "await_x_wait": ratio})
+        table.append(
+            [backend]
+            + [f"{med[m] * 1e6:.2f}" for m in ("wait", "await", "yield")]
+            + [f"{ratio:.2f}"]
+        )
+    return (
+        "a done handle: per-op medians, interleaved batches",
+        ["loop", "wait() µs", "await µs", "checkpoint µs", "await/wait ×"],
+        table,
+        rows,
+    )
 
 
 def summarize(
@@ -116,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncdist.spawn(_rank, 2, args=(args.reps, sizes), timeout=600)
     title, columns, table, rows = summarize(results[0], sizes, args.smoke)
     _common.print_table(title, columns, table, smoke=args.smoke)
-    path = _common.write_json("latency", {"reps": args.reps, "smoke": args.smoke, "rows": rows})
+    payload: dict[str, Any] = {"reps": args.reps, "smoke": args.smoke, "rows": rows}
+    done = summarize_done(results[0])
+    if done is not None:
+        title, columns, table, payload["done_handle"] = done
+        _common.print_table(title, columns, table)
+    path = _common.write_json("latency", payload)
     print(f"wrote {path}")
     return 0
 

@@ -340,3 +340,197 @@ def test_allreduce_coalesced_sends_one_buffer_per_dtype(tmp_path: Path) -> None:
     assert sorted(launched) == [("allreduce_coalesced", 24), ("allreduce_coalesced", 32)], (
         "one flat float32 buffer (2 + 4 elements), one int64 (4)"
     )
+
+
+# -- strided inputs (issue 23, item 1) -------------------------------------------------
+
+
+def _strided(rank: int, offset: int = 0) -> dict[str, torch.Tensor]:
+    """Non-contiguous views of this rank's values, by kind (numel even, so
+    that each also splits in two blocks for reduce_scatter)."""
+    base = torch.arange(24.0).view(4, 6) + 100 * rank + offset
+    strided = {
+        "transposed": base.t(),
+        "strided": base[:, ::2],
+        "sliced": base[:, 1:5],
+        "stepped_1d": base.reshape(-1)[::4],
+        "expanded": base[0, :3].expand(4, 3),
+        "complex_t": torch.complex(base, -base).t(),
+    }
+    assert not any(t.is_contiguous() for t in strided.values())
+    return strided
+
+
+def _values(result: Any) -> Any:
+    """A result as plain values (complex as pairs), for comparing across processes."""
+    if isinstance(result, torch.Tensor):
+        as_real = torch.view_as_real(result) if result.is_complex() else result
+        return [list(result.shape), as_real.tolist()]
+    if isinstance(result, list):
+        return [_values(item) for item in result]
+    return result
+
+
+def _read_only_inputs(s: DistSession) -> dict[str, Any]:
+    """Every call that only reads its tensors, with a strided input and with its
+    contiguous copy: (got, reference) pairs by call and kind."""
+    r, w = s.rank, s.world_size
+    out: dict[str, Any] = {}
+    for kind, t in _strided(r).items():
+        dense = t.contiguous()
+        out[f"all_gather/{kind}"] = (s.all_gather(t).wait(), s.all_gather(dense).wait())
+        rows = t[: r + 2]  # two rows on rank 0, three on rank 1
+        assert not rows.is_contiguous()
+        out[f"all_gather_uneven/{kind}"] = (
+            s.all_gather(rows, uneven=True).wait(),
+            s.all_gather(rows.contiguous(), uneven=True).wait(),
+        )
+        out[f"gather/{kind}"] = (s.gather(t, dst=1).wait(), s.gather(dense, dst=1).wait())
+        # both directions; each rank receives into a fresh contiguous tensor
+        received = []
+        for source in t, dense:
+            inbox = torch.empty(t.shape, dtype=t.dtype)
+            sent = s.send(source, dst=(r + 1) % w)
+            received.append(s.recv(inbox, src=(r - 1) % w).wait())
+            sent.wait()
+        out[f"send/{kind}"] = tuple(received)
+        chunks = list(_strided(0, 1000 * j)[kind] for j in range(w))
+        scattered = [
+            s.scatter(torch.empty(t.shape, dtype=t.dtype), pieces, src=0).wait()
+            for pieces in (chunks, [c.contiguous() for c in chunks])
+        ]
+        out[f"scatter/{kind}"] = tuple(scattered)
+        inputs = [_strided(r, 1000 * j)[kind] for j in range(w)]
+        out[f"all_to_all/{kind}"] = (
+            s.all_to_all(inputs).wait(),
+            s.all_to_all([x.contiguous() for x in inputs]).wait(),
+        )
+        out[f"reduce_scatter/{kind}"] = (
+            s.reduce_scatter(t).wait(),
+            s.reduce_scatter(dense).wait(),
+        )
+        out[f"all_gather_object/{kind}"] = (
+            s.all_gather_object(t).wait(),
+            s.all_gather_object(dense).wait(),
+        )
+        assert torch.equal(t, _strided(r)[kind]), f"{kind}: an input was written to"
+    return {call: (_values(got), _values(ref)) for call, (got, ref) in out.items()}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_read_only_inputs_may_be_strided(debug: bool) -> None:
+    results = spawn(_read_only_inputs, 2, debug=debug, timeout=60)
+    calls = {call.partition("/")[0] for call in results[0]}
+    assert calls == {
+        "all_gather",
+        "all_gather_uneven",
+        "gather",
+        "send",
+        "scatter",
+        "all_to_all",
+        "reduce_scatter",
+        "all_gather_object",
+    }
+    for rank, out in enumerate(results):
+        for call, (got, ref) in out.items():
+            assert got == ref, f"rank {rank}, {call}: the strided input gave other values"
+    # and the reference is right: rank j's own values, in rank order
+    for rank, out in enumerate(results):
+        for kind in _strided(0):
+            mine = [_values(_strided(j)[kind]) for j in range(2)]
+            assert out[f"all_gather/{kind}"][0] == mine
+            assert out[f"gather/{kind}"][0] == (mine if rank == 1 else None)
+            assert out[f"send/{kind}"][0] == mine[1 - rank]
+
+
+def _written_in_place(s: DistSession) -> list[str]:
+    """Calls that write into a strided tensor refuse it, before launch."""
+    r = s.rank
+    t = torch.arange(12.0).view(4, 3).t()
+    chunks = [torch.ones(3, 4)] * 2 if r == 0 else None
+    refused = []
+    for name, call in [
+        ("allreduce", lambda: s.allreduce(t)),
+        ("broadcast", lambda: s.broadcast(t)),
+        ("reduce", lambda: s.reduce(t, dst=0)),
+        ("recv", lambda: s.recv(t, src=1 - r)),
+        ("scatter", lambda: s.scatter(t, chunks)),
+        ("allreduce_coalesced", lambda: s.allreduce_coalesced([torch.ones(2), t])),
+        ("allreduce_tree", lambda: s.allreduce_tree({"loss": t})),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{name}: .* is not contiguous") as info:
+            call()
+        refused.append(str(info.value))
+    ok = torch.ones(2)
+    s.allreduce(ok).wait()  # still in step: nothing was launched
+    assert ok.tolist() == [2.0, 2.0]
+    return refused
+
+
+def test_tensors_written_in_place_must_be_contiguous() -> None:
+    for messages in spawn(_written_in_place, 2, timeout=30):
+        assert len(messages) == 7
+        for message in messages:
+            assert "call .contiguous() and" in message, message
+            assert "read the result from it" in message, message
+
+
+def _read_only_call(s: DistSession, name: str, t: torch.Tensor) -> list[Handle[Any]]:
+    """Issue ``name`` with ``t`` as its read-only input (the source's chunks
+    for scatter); recv pairs with send."""
+    r, w = s.rank, s.world_size
+    if name == "all_gather":
+        return [s.all_gather(t)]
+    if name == "gather":
+        return [s.gather(t, dst=0)]
+    if name == "send":
+        return [s.send(t, dst=1 - r), s.recv(torch.empty(3, 4), src=1 - r)]
+    if name == "scatter":
+        return [s.scatter(torch.empty(3, 4), [t] * w if r == 0 else None)]
+    if name == "all_to_all":
+        return [s.all_to_all([t] * w)]
+    assert name == "reduce_scatter"
+    return [s.reduce_scatter(t)]
+
+
+READ_ONLY = ("all_gather", "gather", "send", "scatter", "all_to_all", "reduce_scatter")
+
+
+def _what_travels(s: DistSession) -> dict[str, list[bool]]:
+    """For each read-only call, with a contiguous and a strided input: whether
+    the tensor launched shares the input's memory (intercepting the lane's
+    launch in this rank's process)."""
+    from asyncdist import _comm
+
+    launched: list[Any] = []
+    original = _comm.Comm.launch
+
+    def recording(comm: Any, spec: Any) -> Any:
+        launched.append(spec)
+        return original(comm, spec)
+
+    _comm.Comm.launch = recording  # type: ignore[method-assign]
+    shared: dict[str, list[bool]] = {}
+    try:
+        for t in torch.arange(12.0).view(3, 4), torch.arange(12.0).view(4, 3).t():
+            for name in READ_ONLY:
+                launched.clear()
+                for handle in _read_only_call(s, name, t):
+                    handle.wait()
+                inputs = launched[0].inputs
+                shared.setdefault(name, []).append(
+                    bool(inputs) and inputs[0].data_ptr() == t.data_ptr()
+                )
+    finally:
+        _comm.Comm.launch = original  # type: ignore[method-assign]
+    return shared
+
+
+def test_a_contiguous_read_only_input_is_not_copied() -> None:
+    results = spawn(_what_travels, 2, timeout=30)
+    for rank, shared in enumerate(results):
+        for name, (contiguous, strided) in shared.items():
+            if name == "scatter" and rank != 0:
+                continue  # only the source sends chunks
+            assert contiguous, f"rank {rank}: {name} copied a contiguous input"
+            assert not strided, f"rank {rank}: {name} sent a strided input without a copy"

@@ -126,7 +126,7 @@ CLOSED = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by pee
 
 
 def test_a_peer_that_left_on_purpose_is_named() -> None:
-    left = Departure(1, True, "the session", "the session", 3)
+    left = Departure(1, "finished", "the session", "the session", 3)
     error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: left)
     assert isinstance(error, PeerFailure)
     assert str(error).startswith(
@@ -137,16 +137,52 @@ def test_a_peer_that_left_on_purpose_is_named() -> None:
     on_channel = left._replace(lane="channel 'metrics'")
     error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: on_channel)
     assert "still waited in allreduce #3 on channel 'metrics':" in str(error)
-    raised = left._replace(finished=False)
+    raised = left._replace(how="raised")
     error = translate(CLOSED, op="barrier", rank=0, timeout=5, left=lambda: raised)
     assert "rank 1 left the session by an exception" in str(error)
     assert "different numbers" not in str(error)
+
+
+def test_a_peer_that_was_interrupted_is_not_blamed() -> None:
+    interrupted = Departure(1, "interrupted", "the session", "the session", 7)
+    message = str(translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: interrupted))
+    assert message.startswith(
+        "rank 1 was interrupted (KeyboardInterrupt: Ctrl-C or SIGINT) and left the session "
+        "while this rank (0) still waited in allreduce #7: the interrupt ended it, "
+        "no rank crashed."
+    ), message
+    assert "exception" not in message
+    assert "first error" not in message
+    cancelled = interrupted._replace(how="cancelled")
+    message = str(translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: cancelled))
+    assert message.startswith("rank 1 left the session because its task was cancelled"), message
+    assert "exception" not in message
 
 
 def test_without_a_notice_a_closed_connection_is_a_peer_that_died() -> None:
     error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: None)
     assert isinstance(error, PeerFailure)
     assert "a peer died or closed its connection" in str(error)
+
+
+def test_a_peer_gone_without_a_notice_points_at_mismatched_collectives() -> None:
+    error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: None)
+    message = str(error)
+    assert "without leaving the session" in message
+    assert "gloo::EnforceNotMet" in message
+    assert "how gloo reports mismatched collectives" in message
+    assert "debug=True" in message
+    assert "ASYNCDIST_DEBUG=1" in message
+    left = Departure(1, "finished", "the session", "the session", 3)
+    told = str(translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: left))
+    assert "debug=True" not in told, "a peer that left on purpose is not a mismatch"
+
+
+def test_in_debug_mode_a_vanished_peer_is_not_told_to_turn_debug_on() -> None:
+    error = translate(CLOSED, op="allreduce", rank=0, timeout=5, left=lambda: None, debug=True)
+    message = str(error)
+    assert "Debug mode was on" in message
+    assert "Run with debug=True" not in message
 
 
 def test_notices_are_read_only_for_a_closed_connection() -> None:
@@ -214,8 +250,8 @@ def test_leave_notices_are_bounded_and_namespaced() -> None:
     channel = root.child("channel:m", range(3), "channel 'm'")
     other = LeaveNotices(store, "s1", range(3), "the session")  # the next session
     assert channel.departure(0, 4) is None
-    root.post(2, finished=True)
-    assert channel.departure(0, 4) == Departure(2, True, "the session", "channel 'm'", 4)
+    root.post(2, "finished")
+    assert channel.departure(0, 4) == Departure(2, "finished", "the session", "channel 'm'", 4)
     assert channel.departure(2, 4) is None, "a rank's own notice is not a peer's"
     assert other.departure(0, 1) is None
     root.release()

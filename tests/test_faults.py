@@ -9,10 +9,12 @@ since a faulty run makes spawn raise.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -495,6 +497,138 @@ def test_chaos(seed: int, tmp_path: Path) -> None:
     for report in reports:
         assert report["outcome"] in ("PeerFailure", "CollectiveTimeout", "CollectiveError")
         assert report["after_last_ok"] <= timeout + 5
+
+
+# -- mismatched collectives without debug mode -------------------------------------------
+
+
+def _mismatched_sizes(s: DistSession, out: str) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank gloo aborts leaves no core
+    size = 4 if s.rank == 0 else 8  # gloo aborts one rank from C++ (EnforceNotMet)
+    t0 = time.monotonic()
+    try:
+        s.allreduce(torch.ones(size)).wait()
+    except PeerFailure as exc:
+        _save(f"{out}.rank{s.rank}", message=str(exc), elapsed=time.monotonic() - t0)
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_collectives_without_debug_the_surviving_rank_is_told(tmp_path: Path) -> None:
+    # Under torchrun nobody reads the dead rank's exit status: the survivor's own
+    # PeerFailure is what the user sees, so it carries spawn's hint too.
+    out = tmp_path / "seen"
+    with pytest.raises(PeerFailure, match="killed by SIGABRT") as info:
+        spawn(_mismatched_sizes, 2, args=(str(out),), timeout=20, join_timeout=40)
+    assert "how gloo reports mismatched collectives" in str(info.value)
+    reports = [_load(path) for path in sorted(tmp_path.glob("seen.rank*"))]
+    assert len(reports) == 1, "one rank aborts, the other sees it vanish"
+    message = reports[0]["message"]
+    print(f"measured: mismatch -> PeerFailure on the survivor after {reports[0]['elapsed']:.2f} s")
+    assert message.startswith("allreduce on rank "), message
+    assert "gloo::EnforceNotMet" in message
+    assert "how gloo reports mismatched collectives" in message
+    assert "Run with debug=True (or ASYNCDIST_DEBUG=1)" in message
+    assert "CollectiveMismatch" in message
+    assert reports[0]["elapsed"] < 5.0
+
+
+# -- Ctrl-C under torchrun ---------------------------------------------------------------
+
+INTERRUPTED = {
+    "sync": """
+import os, time, torch
+from asyncdist import DistSession
+
+with DistSession(timeout=30) as s:
+    t = torch.ones(1 << 16)
+    s.allreduce(t).wait()
+    print(f"rank {s.rank} ready pid {os.getpid()}", flush=True)
+    while True:
+        if s.rank == 0:
+            time.sleep(0.3)  # mostly here when Ctrl-C lands; rank 1 waits in the allreduce
+        s.allreduce(t).wait()
+""",
+    "async": """
+import os, sys, anyio, torch
+from asyncdist import DistSession
+
+async def main():
+    async with DistSession(timeout=30) as s:
+        t = torch.ones(1 << 16)
+        await s.allreduce(t)
+        print(f"rank {s.rank} ready pid {os.getpid()}", flush=True)
+        while True:
+            if s.rank == 0:
+                await anyio.sleep(0.3)
+            await s.allreduce(t)
+
+anyio.run(main, backend=sys.argv[1])
+""",
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["sync", "trio", "asyncio"])
+def test_ctrl_c_under_torchrun_is_reported_as_an_interrupt(how: str, tmp_path: Path) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED["sync" if how == "sync" else "async"])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.Popen(
+        [*torchrun, "--nproc-per-node=2", str(script), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's job
+        cwd=tmp_path,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    workers: list[int] = []  # torchrun starts each worker in a session of its own
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+            # (two ranks' lines may interleave: count the words, not the lines)
+            workers = [int(pid) for pid in re.findall(r"ready pid (\d+)", "".join(lines))]
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        t0 = time.monotonic()
+        proc.wait(timeout=20)
+        elapsed = time.monotonic() - t0
+    finally:  # nothing outlives the test: torchrun, then its workers
+        left: list[psutil.Process] = []
+        with contextlib.suppress(psutil.Error):
+            left = psutil.Process(proc.pid).children(recursive=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in workers:  # (orphans once torchrun is gone; checked before a kill)
+            with contextlib.suppress(psutil.Error):
+                worker = psutil.Process(pid)
+                if str(script) in worker.cmdline():
+                    left.append(worker)
+        for worker in left:
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
+        psutil.wait_procs(left, timeout=10)
+        reader.join(10)  # the pipe closes once every worker is gone
+    output = "".join(lines)
+    assert not reader.is_alive(), f"a worker kept torchrun's output open: {output}"
+    if proc.stdout is not None:
+        proc.stdout.close()
+    print(f"measured: every rank gone {elapsed:.2f} s after Ctrl-C")
+    assert elapsed < 10, output
+    assert "Connection closed by peer" not in output, output
+    assert "left the session by an exception" not in output, output
+    if how == "asyncio":  # asyncio turns Ctrl-C into the main task's cancellation
+        assert "rank 0 left the session because its task was cancelled" in output, output
+    else:
+        assert "rank 0 was interrupted (KeyboardInterrupt" in output, output
 
 
 # -- 16: a CPU hog ---------------------------------------------------------------------------

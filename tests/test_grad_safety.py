@@ -351,3 +351,24 @@ def test_a_session_that_ends_mid_step_names_the_sync(caplog: pytest.LogCaptureFi
     assert repr(sync) == "<GradientSync of BNNet removed>"  # the session took it off
     assert "ends with the session mid-step" in caplog.text
     assert "GradientSync of BNNet" in caplog.text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_on_trio_await_sync_with_nothing_to_wait_for_is_a_checkpoint() -> None:
+    """trio's rule holds for a sync too: a disabled (no_sync) or removed sync
+    has nothing to await, yet ``await sync`` is still a cancel point."""
+    async with DistSession() as s:
+        model = torch.nn.Linear(3, 2)
+        sync = s.gradient_sync(model)
+        with sync.no_sync():
+            model(torch.ones(1, 3)).sum().backward()
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await sync
+            assert scope.cancelled_caught, "await sync under no_sync ignored a cancelled scope"
+        sync.remove()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await sync
+        assert scope.cancelled_caught, "await of a removed sync ignored a cancelled scope"

@@ -44,7 +44,9 @@ async def test_await_twice_then_wait() -> None:
 
 
 @pytest.mark.anyio
-async def test_completed_handle_returns_without_a_checkpoint() -> None:
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_completed_handle_returns_without_yielding() -> None:
+    """asyncio's convention: awaiting a done future does not yield."""
     async with DistSession() as s:
         h = s.broadcast(torch.ones(2))
         h.wait()
@@ -52,8 +54,61 @@ async def test_completed_handle_returns_without_a_checkpoint() -> None:
             scope.cancel()
             # A cancelled scope would raise at any checkpoint; a done handle has none.
             result = await h
+            assert await wait_all([h, h]) == [result, result]
         assert not scope.cancelled_caught
         assert torch.equal(result, torch.ones(2))
+        ran = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _append(ran))  # scheduled, but not run until we yield
+            for _ in range(100):
+                await h
+            assert ran == [], "awaiting a done handle let another task run"
+        assert ran == [1]
+
+
+async def _append(ran: list[int]) -> None:
+    ran.append(1)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_on_trio_awaiting_a_completed_handle_is_a_checkpoint() -> None:
+    """trio's rule: every await is a cancel point and a schedule point, even
+    when nothing needs waiting for."""
+    async with DistSession() as s:
+        t = torch.ones(2)
+        h = s.allreduce(t)
+        h.wait()
+        for done in h, wait_all([h, s.broadcast(torch.ones(1))]):
+            done.wait()
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await done
+            assert scope.cancelled_caught, f"await {done!r} ignored a cancelled scope"
+        assert await h is t, "the handle stays valid after a cancelled await"
+        # a loop of quick awaits is cancellable...
+        awaited = 0
+        with anyio.move_on_after(0.05) as scope:
+            while awaited < 2_000_000:
+                await h
+                awaited += 1
+        assert scope.cancelled_caught, f"{awaited} awaits never noticed the deadline"
+        # ...and leaves the other tasks their turn
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            for _ in range(200):
+                await h
+            seen = ticks
+            tg.cancel_scope.cancel()
+        assert seen >= 50, f"a sibling task ran {seen} times during 200 awaits"
 
 
 @pytest.mark.anyio

@@ -138,24 +138,18 @@ def test_averaged_divides_only_a_summed_mean_where_it_lands() -> None:
 
 
 @pytest.mark.parametrize(
-    ("collective", "what", "says", "never"),
+    ("collective", "what", "says"),
     [
-        ("allreduce", "tensor", "reduce that copy", "pass tensor.contiguous()"),
-        ("allreduce_coalesced", "tensors[1]", "reduce that copy", "pass"),
-        ("broadcast", "tensor", "broadcast that copy", "reduce"),
-        ("recv", "tensor", "receive into that copy", "reduce"),
-        ("scatter", "out", "scatter into that copy", "reduce"),
-        ("scatter", "chunks[0]", "pass chunks[0].contiguous()", "reduce"),
-        ("all_gather", "tensor", "pass tensor.contiguous()", "reduce"),
-        ("gather", "tensor", "pass tensor.contiguous()", "reduce"),
-        ("send", "tensor", "pass tensor.contiguous()", "reduce"),
-        ("all_to_all", "inputs[0]", "pass inputs[0].contiguous()", "reduce"),
-        ("reduce_scatter", "tensor", "pass tensor.contiguous()", "write back"),
+        ("allreduce", "tensor", "reduce that copy"),
+        ("allreduce_coalesced", "tensors[1]", "reduce that copy"),
+        ("allreduce_tree", "tree['loss']", "reduce that copy"),
+        ("reduce", "tensor", "reduce that copy"),
+        ("broadcast", "tensor", "broadcast that copy"),
+        ("recv", "tensor", "receive into that copy"),
+        ("scatter", "out", "scatter into that copy"),
     ],
 )
-def test_non_contiguous_message_is_worded_per_op(
-    collective: str, what: str, says: str, never: str
-) -> None:
+def test_non_contiguous_message_is_worded_per_op(collective: str, what: str, says: str) -> None:
     with pytest.raises(
         ValueError, match=rf"^{collective}: {re.escape(what)} is not contiguous"
     ) as info:
@@ -163,4 +157,25 @@ def test_non_contiguous_message_is_worded_per_op(
             torch.ones(2, 3).t(), collective=collective, backend="gloo", device=CPU, what=what
         )
     assert says in str(info.value)
-    assert never not in str(info.value)
+    assert "read the result from it" in str(info.value)
+
+
+def test_a_read_only_tensor_may_be_strided() -> None:
+    strided = torch.ones(2, 3).t()
+    checked = _ops.check_tensor(
+        strided, collective="all_gather", backend="gloo", device=CPU, read_only=True
+    )
+    assert checked is strided, "checked, not copied (the call copies what the backend needs)"
+    listed = _ops.tensor_list(
+        [torch.ones(2), strided],
+        collective="all_to_all",
+        backend="gloo",
+        device=CPU,
+        what="inputs",
+        read_only=True,
+    )
+    assert listed[1] is strided
+    with pytest.raises(ValueError, match="sparse"):
+        _ops.check_tensor(
+            strided.to_sparse(), collective="send", backend="gloo", device=CPU, read_only=True
+        )
