@@ -19,6 +19,7 @@ BENCHMARKS = (
     "fusion",
     "debug_cost",
     "loop_stall",
+    "threads",
     "concurrency",
     "overlap",
     "bandwidth",

@@ -34,6 +34,7 @@ import fusion  # noqa: E402
 import latency  # noqa: E402
 import loop_stall  # noqa: E402
 import overlap  # noqa: E402
+import threads  # noqa: E402
 
 from asyncdist.__main__ import add_bench_arguments  # noqa: E402  (the options, defined once)
 
@@ -43,6 +44,7 @@ SUITE = {
     "fusion": (fusion.main, ["--reps", "15"], ["--reps", "5", "--smoke"]),
     "debug_cost": (debug_cost.main, ["--rounds", "7"], ["--rounds", "3"]),
     "loop_stall": (loop_stall.main, ["--rounds", "3"], ["--rounds", "1"]),
+    "threads": (threads.main, ["--idle", "3"], ["--idle", "0.5"]),
     "concurrency": (
         concurrency.main,
         ["--reps", "10"],

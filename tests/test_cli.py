@@ -262,6 +262,17 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
     title, columns, rows = benchmarks.loop_stall.summarize(stalls, 1.0, 3, version)
     tables["loop_stall"] = common.table(title, columns, rows)
 
+    at_rest = [
+        {"setup": "process, no session", "threads": 2, "added": 0, "cpu": 0.0001},
+        {"setup": "session", "threads": 9, "added": 7, "cpu": 0.0046},
+        {"setup": "+ 1 channel", "threads": 12, "added": 10, "cpu": 0.0047},
+        {"setup": "+ 4 channels", "threads": 21, "added": 19, "cpu": 0.0048},
+        {"setup": "one raw new_group", "threads": None, "added": 3},
+        {"setup": "+ 4 channels, debug", "threads": 60, "added": 58, "cpu": 0.0246},
+    ]
+    title, columns, rows, _ = benchmarks.threads.summarize(at_rest, 4)
+    tables["threads"] = common.table(title, columns, rows)
+
     link = {
         "median_s": {"idle": 0.00099},
         "same_lane_x_idle": 3125.4,
