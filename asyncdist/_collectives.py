@@ -593,10 +593,7 @@ class Collectives:
         me = comm.rank
 
         def finish(received: list[bytes]) -> list[Any]:
-            return [
-                obj if rank == me else _pickle.loads(data, allow)
-                for rank, data in enumerate(received)
-            ]
+            return _pickle.loads_gathered(received, allow, me, obj)
 
         return comm.launch(Spec(name, "all_gather_object", finish, payload=payload))
 
@@ -628,10 +625,7 @@ class Collectives:
         def finish(received: list[bytes] | None) -> list[Any] | None:
             if received is None:
                 return None
-            return [
-                obj if rank == me else _pickle.loads(data, allow)
-                for rank, data in enumerate(received)
-            ]
+            return _pickle.loads_gathered(received, allow, me, obj)
 
         return comm.launch(Spec(name, "gather_object", finish, root=dst, payload=payload))
 
