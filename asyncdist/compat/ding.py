@@ -521,6 +521,8 @@ class Installation:
         return f"<asyncdist.compat.ding.Installation {state}, {self.rebound} bindings>"
 
 
+# Process-wide, as what it undoes is: install rebinds attributes of the
+# modules in sys.modules, so at most one installation is active per process.
 _installed: Installation | None = None
 
 
