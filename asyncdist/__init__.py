@@ -1,10 +1,10 @@
 """asyncdist: an async-first, context-managed API over ``torch.distributed``."""
 
 from ._channel import Channel as Channel
-from ._collectives import MainFirst as MainFirst
 from ._grad import GradientSync as GradientSync
 from ._handle import Handle as Handle
 from ._handle import wait_all as wait_all
+from ._mainrank import MainFirst as MainFirst
 from ._session import DistSession as DistSession
 from ._session import State as State
 from ._spawn import spawn as spawn

@@ -53,6 +53,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def _demo(args: argparse.Namespace) -> int:
     from . import _demo
+    from ._session import GRADIENTS
     from ._spawn import spawn
 
     if args.steps < 6:
@@ -64,7 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
         args=(args.steps, args.bucket_mb),
         backend=args.backend,
         timeout=120,
-        channels=[_demo.CHANNEL],  # formed on entry, off the event loop
+        channels=[GRADIENTS],  # gradient_sync's channel, formed on entry, off the loop
     )
     _demo.report(results[0])
     return 0

@@ -11,24 +11,19 @@ alike for every op.
 
 from __future__ import annotations
 
-import builtins
-import contextlib
 import logging
-from collections.abc import Iterable, MutableMapping, Sequence
-from types import TracebackType
+from collections.abc import Iterable, Sequence
 from typing import Any, TextIO, TypeVar
 
 import torch
 
-from . import _ops, _pickle, _tree
+from . import _mainrank, _ops, _pickle, _tree
 from ._comm import Comm, Spec
 from ._debug import describe
 from ._handle import Handle, combined
-from .errors import AsyncDistError, PeerFailure
+from ._mainrank import MainFirst
 
 T = TypeVar("T")
-
-_MAIN_FIRST = "main_first"
 
 
 class Collectives:
@@ -598,10 +593,7 @@ class Collectives:
         me = comm.rank
 
         def finish(received: list[bytes]) -> list[Any]:
-            return [
-                obj if rank == me else _pickle.loads(data, allow)
-                for rank, data in enumerate(received)
-            ]
+            return _pickle.loads_gathered(received, allow, me, obj)
 
         return comm.launch(Spec(name, "all_gather_object", finish, payload=payload))
 
@@ -633,10 +625,7 @@ class Collectives:
         def finish(received: list[bytes] | None) -> list[Any] | None:
             if received is None:
                 return None
-            return [
-                obj if rank == me else _pickle.loads(data, allow)
-                for rank, data in enumerate(received)
-            ]
+            return _pickle.loads_gathered(received, allow, me, obj)
 
         return comm.launch(Spec(name, "gather_object", finish, root=dst, payload=payload))
 
@@ -658,8 +647,7 @@ class Collectives:
         """``print(*values)`` on rank 0 only (of this session, or of the
         sub-session after ``split``); nothing on the other ranks. Waits for
         no one, and works before entry and after the session ended."""
-        if self.rank == 0:
-            builtins.print(*values, sep=sep, end=end, file=file, flush=flush)
+        _mainrank.print_on_main(self, *values, sep=sep, end=end, file=file, flush=flush)
 
     def logger(
         self, name: str | logging.Logger, *, main_only: bool = True
@@ -674,13 +662,7 @@ class Collectives:
         Raises:
             TypeError: ``name`` is neither a string nor a ``logging.Logger``.
         """
-        if isinstance(name, str):
-            name = logging.getLogger(name)
-        elif not isinstance(name, logging.Logger):
-            raise TypeError(
-                f"logger: name must be a str or a logging.Logger, not {type(name).__name__}"
-            )
-        return _RankLogger(name, self, main_only=main_only)
+        return _mainrank.logger(self, name, main_only=main_only)
 
     def main_first(self) -> MainFirst:
         """A block that rank 0 runs first and the other ranks after it (to
@@ -696,95 +678,4 @@ class Collectives:
             SessionClosed, SessionBroken: (on entry) the session is not usable.
             PeerFailure: (on entry, ranks but 0) rank 0's block raised.
         """
-        return MainFirst(self)
-
-
-class _RankLogger(logging.LoggerAdapter[logging.Logger]):
-    """The adapter of [logger][asyncdist.DistSession.logger]."""
-
-    def __init__(self, logger: logging.Logger, lane: Collectives, *, main_only: bool) -> None:
-        super().__init__(logger, {})
-        self._lane_ = lane
-        self._main_only = main_only
-
-    def isEnabledFor(self, level: int) -> bool:
-        if self._main_only and self._lane_.rank != 0:
-            return False
-        return self.logger.isEnabledFor(level)
-
-    def process(
-        self, msg: Any, kwargs: MutableMapping[str, Any]
-    ) -> tuple[Any, MutableMapping[str, Any]]:
-        kwargs["extra"] = {"rank": self._lane_.rank, **(kwargs.get("extra") or {})}
-        return msg, kwargs
-
-
-class MainFirst:
-    """The block of [main_first][asyncdist.DistSession.main_first], sync or async.
-
-    Rank 0 runs its block at once and, leaving it, broadcasts whether it
-    succeeded; the other ranks wait for that broadcast on entry. One
-    broadcast per block on every rank, so the blocks pair up by order.
-    """
-
-    __slots__ = ("_owner",)
-
-    def __init__(self, lane: Collectives) -> None:
-        self._owner = lane
-
-    def _enter(self) -> Handle[Any] | None:
-        """What the ranks but 0 wait for (None on rank 0)."""
-        if self._owner._lane(_MAIN_FIRST).rank == 0:
-            return None
-        return self._owner._broadcast_object(_MAIN_FIRST, None, 0, ())
-
-    def _check(self, failed: Any) -> None:
-        if failed is not None:
-            rank = self._owner.rank
-            raise PeerFailure(
-                f"{_MAIN_FIRST} on rank {rank}: rank 0 raised {failed} inside its block, so "
-                "this rank does not run it; see rank 0's error",
-                op=_MAIN_FIRST,
-                rank=rank,
-            )
-
-    def _exit(self, exc: BaseException | None) -> Handle[Any] | None:
-        """Rank 0 tells the others how its block ended; the handle to wait
-        for when it succeeded (a failure must not be masked by a wait)."""
-        if self._owner.rank != 0:
-            return None
-        if exc is None:
-            return self._owner._broadcast_object(_MAIN_FIRST, None, 0, ())
-        with contextlib.suppress(AsyncDistError):  # broken: the peers learn it anyway
-            self._owner._broadcast_object(_MAIN_FIRST, f"{type(exc).__name__}({exc})", 0, ())
-        return None
-
-    def __enter__(self) -> None:
-        handle = self._enter()
-        if handle is not None:
-            self._check(handle.wait())
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        handle = self._exit(exc)
-        if handle is not None:
-            handle.wait()
-
-    async def __aenter__(self) -> None:
-        handle = self._enter()
-        if handle is not None:
-            self._check(await handle)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        handle = self._exit(exc)
-        if handle is not None:
-            await handle
+        return MainFirst(self, self._lane, self._broadcast_object)

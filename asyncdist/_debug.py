@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -25,6 +26,11 @@ import torch
 from .errors import CollectiveMismatch
 
 FINGERPRINT_BYTES = 1024
+
+
+def debug_from_env() -> bool:
+    """Whether ``ASYNCDIST_DEBUG`` asks for debug mode (set, and neither empty nor ``0``)."""
+    return os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
 
 
 def describe(tensor: torch.Tensor) -> str:

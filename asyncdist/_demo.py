@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from ._session import DistSession
+from ._session import GRADIENTS, DistSession
 
 FEATURES, HIDDEN, CLASSES, BATCH = 256, 768, 10, 64
-CHANNEL = "gradients"  # gradient_sync's lane, declared when the session opens
 
 
 def _model() -> torch.nn.Module:
@@ -56,7 +55,7 @@ async def train(session: DistSession, steps: int, bucket_mb: float) -> dict[str,
     torch.manual_seed(session.rank)
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sync = session.gradient_sync(model, bucket_mb=bucket_mb, channel=session.channel(CHANNEL))
+    sync = session.gradient_sync(model, bucket_mb=bucket_mb, channel=session.channel(GRADIENTS))
     await sync.broadcast_parameters_async(src=0)
     grads = [p for p in model.parameters() if p.requires_grad]
     nbytes = sum(p.numel() * p.element_size() for p in grads)

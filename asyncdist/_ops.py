@@ -75,6 +75,9 @@ def _is_integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex)
 
 
+# A memo of a pure function, process-wide because its results are: they
+# depend on the key alone, and every lane of every session resolves the same
+# few ops on each call (a per-lane memo would only resolve them again).
 _resolved: dict[tuple[Any, torch.dtype, str], Reduction] = {}
 
 

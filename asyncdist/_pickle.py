@@ -114,3 +114,11 @@ def loads(data: bytes, allowed: frozenset[str] | None) -> Any:
     if allowed is None:
         return pickle.loads(data)
     return _RestrictedUnpickler(data, allowed).load()
+
+
+def loads_gathered(
+    received: Iterable[bytes], allowed: frozenset[str] | None, rank: int, own: Any
+) -> list[Any]:
+    """Every rank's object, by rank, from the payloads an object gather
+    received; ``rank``'s entry is ``own`` itself, not a copy unpickled."""
+    return [own if r == rank else loads(data, allowed) for r, data in enumerate(received)]

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._debug import debug_from_env
 from ._store import host_loopback_store
 from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken, mismatch_hint
 
@@ -273,7 +274,7 @@ def spawn(
             sender.close()
             procs.append(proc)
             conns[rank] = receiver
-        debugging = debug or os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
+        debugging = debug or debug_from_env()
         return _collect(procs, conns, join_timeout, debugging)
     finally:
         _kill_and_reap(procs)

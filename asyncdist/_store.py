@@ -41,7 +41,9 @@ T = TypeVar("T")
 _lock = threading.Lock()
 # (addr, port) -> (store, generation, session numbers on it): sessions are
 # numbered per store, so a rank that used another store before still agrees
-# with a fresh peer on this one
+# with a fresh peer on this one. Process-wide state, as the port it holds is:
+# a store outlives the session that made it, so that the next one, in any
+# part of the program, reuses it instead of failing with EADDRINUSE.
 _kept: dict[tuple[str, int], tuple[dist.Store, str, itertools.count[int]]] = {}
 
 GENERATION_KEY = "asyncdist/generation"
@@ -128,14 +130,14 @@ def agree_generation(store: dist.Store, env: LaunchEnv, timeout: float) -> str:
         InitError: rank 0 did not see every rank within ``timeout``, or a rank
             found no live rank 0.
     """
-    deadline = time.monotonic() + timeout
+    poll = _Poll(timeout)
     where = f"{env.master_addr}:{env.master_port}"
     if env.rank == 0:
         generation = uuid.uuid4().hex
         store.set(GENERATION_KEY, generation)
         hello = [f"asyncdist/{generation}/hello/{r}" for r in range(1, env.world_size)]
         waiting = set(range(1, env.world_size))
-        delay, seen = _POLL_FIRST, 0
+        seen = 0
         while waiting:
             # one request per poll; the per-rank keys are read only after arrivals
             count = store.add(f"asyncdist/{generation}/arrivals", 0)
@@ -146,40 +148,64 @@ def agree_generation(store: dist.Store, env: LaunchEnv, timeout: float) -> str:
                     token = store.get(hello[r - 1]).decode()
                     store.set(f"asyncdist/{generation}/welcome/{r}", token)
                 waiting.difference_update(arrived)
-                delay = _POLL_FIRST
+                poll.progressed()
                 continue
-            if time.monotonic() >= deadline:
-                missing = sorted(waiting)
-                raise InitError(
-                    f"rank 0 waited {timeout:g} s for rank(s) {_short(missing)} of "
+            poll.sleep(
+                lambda: InitError(
+                    f"rank 0 waited {timeout:g} s for rank(s) {_short(sorted(waiting))} of "
                     f"{env.world_size} to join through the launcher's store at {where}. "
                     "Check that every node's launcher started and can reach it."
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX)
+            )
         return generation
 
     token = uuid.uuid4().hex
     announced = ""  # the generation this rank has said hello under
-    delay = _POLL_FIRST
     while True:
         if store.check([GENERATION_KEY]):
             generation = store.get(GENERATION_KEY).decode()
             if generation != announced:
                 store.set(f"asyncdist/{generation}/hello/{env.rank}", token)
                 store.add(f"asyncdist/{generation}/arrivals", 1)
-                announced, delay = generation, _POLL_FIRST
+                announced = generation
+                poll.progressed()
             welcome = f"asyncdist/{generation}/welcome/{env.rank}"
             if store.check([welcome]) and store.get(welcome).decode() == token:
                 return generation
-        if time.monotonic() >= deadline:
-            raise InitError(
+        poll.sleep(
+            lambda: InitError(
                 f"rank {env.rank} found no live rank 0 in the launcher's store at {where} "
                 f"within {timeout:g} s. Check that rank 0's node is up and its worker "
                 "started."
             )
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX)
+        )
+
+
+class _Poll:
+    """The pauses between polls of the store, until a deadline: from
+    ``_POLL_FIRST`` s, doubling up to ``_POLL_MAX`` s, and short again after
+    progress."""
+
+    __slots__ = ("_deadline", "_delay")
+
+    def __init__(self, timeout: float) -> None:
+        self._deadline = time.monotonic() + timeout
+        self._delay = _POLL_FIRST
+
+    def progressed(self) -> None:
+        """The last poll found something: poll again soon."""
+        self._delay = _POLL_FIRST
+
+    def sleep(self, expired: Callable[[], InitError]) -> None:
+        """Pause before the next poll.
+
+        Raises:
+            InitError: ``expired()``, once the deadline has passed.
+        """
+        if time.monotonic() >= self._deadline:
+            raise expired()
+        time.sleep(self._delay)
+        self._delay = min(self._delay * 2, _POLL_MAX)
 
 
 def _short(ranks: list[int]) -> str:
@@ -190,8 +216,27 @@ def _short(ranks: list[int]) -> str:
 def forget(env: LaunchEnv) -> None:
     """Drop the kept store for ``env``'s master (its group never formed), so
     its port is released; the next session connects or hosts afresh."""
+    forget_address(env.master_addr, env.master_port or 0)
+
+
+def forget_address(addr: str, port: int) -> None:
+    """Drop the store kept for the master at ``addr:port``, if any.
+
+    For tests and tools that host a master themselves: the sessions that
+    used it are over, and this process's connection to it goes now.
+    """
     with _lock:
-        _kept.pop((env.master_addr, env.master_port or 0), None)
+        _kept.pop((addr, port), None)
+
+
+def kept_addresses() -> frozenset[tuple[str, int]]:
+    """The ``(addr, port)`` of every master whose store this process keeps.
+
+    For tests and tools: a store stays kept from its first session to the
+    end of the process, unless forgotten (``forget``, ``forget_address``).
+    """
+    with _lock:
+        return frozenset(_kept)
 
 
 def session_store(env: LaunchEnv, timeout: float) -> tuple[dist.Store, dist.Store | None, bool]:
@@ -242,7 +287,8 @@ NOTICE_TIMEOUT = 2.0
 _LEAVINGS: dict[str, Leaving] = {how: how for how in get_args(Leaving)}
 # Sessions over a group this process formed, numbered in opening order (every
 # rank opens them in the same order), so each one's notices have keys of their
-# own even on a store that outlives it.
+# own even on a store that outlives it. Process-wide, as that store is: a
+# count per session would restart at 0 and reuse an earlier session's keys.
 _world_sessions = itertools.count()
 
 

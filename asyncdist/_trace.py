@@ -27,6 +27,23 @@ def _now_us() -> float:
     return time.time_ns() / 1000.0
 
 
+def _complete(
+    name: str, start: float, rank: int, track: str, args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A complete event ("ph": "X") on ``rank``'s ``track``, from ``start`` until now."""
+    event = {
+        "name": name,
+        "ph": "X",
+        "ts": start,
+        "dur": _now_us() - start,
+        "pid": rank,
+        "tid": TRACKS[track],
+    }
+    if args is not None:
+        event["args"] = args
+    return event
+
+
 class Tracer:
     """Collects this rank's events; cheap enough to leave on for a run."""
 
@@ -46,17 +63,8 @@ class Tracer:
 
         def completed() -> None:
             error = handle._completion.error()
-            self._add(
-                {
-                    "name": op,
-                    "ph": "X",
-                    "ts": start,
-                    "dur": _now_us() - start,
-                    "pid": rank,
-                    "tid": TRACKS["collectives"],
-                    "args": {"bytes": nbytes, "error": None if error is None else str(error)},
-                }
-            )
+            args = {"bytes": nbytes, "error": None if error is None else str(error)}
+            self._add(_complete(op, start, rank, "collectives", args))
 
         handle._hook()  # settle at the real completion time, not when observed
         handle._completion.add_callback(completed)
@@ -67,16 +75,7 @@ class Tracer:
         try:
             yield
         finally:
-            self._add(
-                {
-                    "name": name,
-                    "ph": "X",
-                    "ts": start,
-                    "dur": _now_us() - start,
-                    "pid": self.rank,
-                    "tid": TRACKS["compute"],
-                }
-            )
+            self._add(_complete(name, start, self.rank, "compute"))
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -128,6 +128,9 @@ def in_async_context() -> bool:
 
 # Who issues, when a helper issues on someone's behalf from whatever thread
 # runs it (gradient hooks run on autograd's threads on CUDA): (id, name).
+# Module state because a ContextVar must be made once, not per use (each one
+# made lives on in every context); its value is per thread and task, not
+# process-wide.
 _ISSUING_AS: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
     "asyncdist_issuing_as", default=None
 )

@@ -161,8 +161,7 @@ async def late_peer(
         proc.close()
         receiver.close()
         # this process's client connection, kept per (addr, port) by asyncdist
-        with asyncdist._store._lock:
-            asyncdist._store._kept.pop(("127.0.0.1", port), None)
+        asyncdist._store.forget_address("127.0.0.1", port)
         del store
 
 

@@ -212,8 +212,9 @@ def _adopt_once(adopted: list[DistSession]) -> None:
     t = torch.ones(2)
     compat.allreduce(t)  # adopts the group
     assert t.tolist() == [1.0, 1.0]
-    assert compat._shared.adopted is not None
-    adopted.append(compat._shared.adopted)  # to close them all, even if the test fails
+    session = compat._shared.adopted_session()
+    assert session is not None
+    adopted.append(session)  # to close them all, even if the test fails
 
 
 def _close_all(adopted: list[DistSession]) -> None:

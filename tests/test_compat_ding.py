@@ -231,7 +231,7 @@ def _ding_ranks(session: DistSession) -> dict[str, Any]:
     ding_compat.synchronize()
     out["hook_grad"] = w.grad.tolist() if w.grad is not None else None  # 2.5 = (1+2+3+4)/4
     out["hooks_done"] = [h.done() for h in launched]
-    out["pending_after_sync"] = len(_shared._pending)
+    out["pending_after_sync"] = _shared.pending_count()
 
     # returned handles: waited, awaited (and awaited again)
     a = torch.full((2,), float(rank))

@@ -96,7 +96,9 @@ async def test_session_entry_while_the_peer_joins_late() -> None:
         report("session entry", meter.max_stall)
         assert waited >= LATE, "the peer was not late: the test proves nothing"
     assert peer.result == 2
-    assert ("127.0.0.1", peer.port) not in asyncdist._store._kept, "store connection leaked"
+    assert ("127.0.0.1", peer.port) not in asyncdist._store.kept_addresses(), (
+        "store connection leaked"
+    )
 
 
 @pytest.mark.anyio

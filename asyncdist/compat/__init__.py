@@ -101,17 +101,13 @@ def dist_init(
     return session.rank, session.world_size
 
 
-def _init() -> None:
-    dist_init()
-
-
 def dist_mode(func: F) -> F:
     """Decorate ``func`` to run between ``dist_init`` and ``dist_finalize``.
 
     The wrapper returns ``func``'s value, finalizes even when ``func`` raises,
     and works on ``async def`` functions.
     """
-    return _shared.dist_mode(_init)(func)
+    return _shared.dist_mode(dist_init)(func)
 
 
 class DistContext(_shared.Context):

@@ -39,6 +39,9 @@ logger = logging.getLogger("asyncdist.compat")
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
+# Process-wide state, as the helper's is: its API is plain functions over
+# torch's default group, which is itself one per process, so there is no
+# object to hold the session; dist_init, dist_finalize and session_for rebind it.
 session: DistSession | None = None  # opened by dist_init
 adopted: DistSession | None = None  # wraps a default group someone else made
 groups: dict[Any, DistSession] = {}  # get_group's process groups -> their sub-sessions
@@ -107,6 +110,19 @@ def _release(target: DistSession, why: str) -> None:
         target.close()
     except AsyncDistError as exc:
         logger.warning("%s: %s", why, exc)
+
+
+def adopted_session() -> DistSession | None:
+    """The session compat opened to adopt a default group initialised
+    elsewhere, while it holds one (for tests and tools)."""
+    return adopted
+
+
+def pending_count() -> int:
+    """How many async handles ``wait_pending`` has yet to wait for (for
+    tests and tools)."""
+    with _pending_lock:
+        return len(_pending)
 
 
 def forget_adopted() -> None:

@@ -347,17 +347,10 @@ def dist_init(
     return session.rank, session.world_size
 
 
-def _init() -> None:
-    dist_init()
-
-
 def dist_mode(func: F) -> F:
-    """Decorate ``func`` to run between ``dist_init`` and ``dist_finalize``.
-
-    The wrapper returns ``func``'s value, finalizes even when ``func`` raises,
-    and works on ``async def`` functions.
-    """
-    return _shared.dist_mode(_init)(func)
+    """[asyncdist.compat.dist_mode][asyncdist.compat.dist_mode] around this
+    release's ``dist_init`` (and its default ``timeout``)."""
+    return _shared.dist_mode(dist_init)(func)
 
 
 class DDPContext(_shared.Context):
@@ -440,27 +433,19 @@ def keep_grad_accumulators(module: torch.nn.Module) -> list[Any]:
 # -- running DI-engine on asyncdist -------------------------------------------------------
 
 HELPER = "ding.utils.pytorch_ddp_dist_helper"
-HELPER_NAMES = (
-    "DDPContext",
-    "DistContext",
-    "allgather",
-    "allreduce",
-    "allreduce_async",
-    "allreduce_data",
-    "allreduce_with_indicator",
-    "broadcast",
-    "broadcast_object_list",
-    "dist_finalize",
-    "dist_init",
-    "dist_mode",
-    "get_group",
-    "get_rank",
-    "get_world_size",
-    "reduce_data",
-    "simple_group_split",
-    "synchronize",
-    "to_ddp_config",
+# every name of __all__ is the helper's but these, asyncdist's own (error_wrapper
+# is the helper's too, but DI-engine's general utility: install leaves it)
+_NOT_REPLACED = frozenset(
+    {
+        "HELPER_NAMES",
+        "Installation",
+        "error_wrapper",
+        "install",
+        "keep_grad_accumulators",
+        "uninstall",
+    }
 )
+HELPER_NAMES = tuple(name for name in __all__ if name not in _NOT_REPLACED)
 """The helper's names ``install`` replaces (its ``error_wrapper`` is
 DI-engine's general utility and stays)."""
 
@@ -536,6 +521,8 @@ class Installation:
         return f"<asyncdist.compat.ding.Installation {state}, {self.rebound} bindings>"
 
 
+# Process-wide, as what it undoes is: install rebinds attributes of the
+# modules in sys.modules, so at most one installation is active per process.
 _installed: Installation | None = None
 
 
