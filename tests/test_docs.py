@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _examples import run_example
 
 from asyncdist import DistSession, spawn
 
@@ -38,18 +39,7 @@ def test_there_are_examples() -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("where", "code"), EXAMPLES, ids=[w for w, _ in EXAMPLES])
 def test_example_runs(where: str, code: str, tmp_path: Path) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=140,
-        env=env,
-        check=False,
-    )
+    done = run_example(code, tmp_path)
     assert done.returncode == 0, f"{where} failed:\n{done.stdout}\n{done.stderr}"
     # an example teaches what to write: it must not make torch or asyncdist warn
     assert "Warning:" not in done.stderr, f"{where} warns:\n{done.stderr}"

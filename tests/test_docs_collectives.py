@@ -7,13 +7,11 @@ example is what running it prints (the logger's line once, from rank 0).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _examples import run_example
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "collectives.md"
 # the example of the rank-0 helpers, and the text block that follows it
@@ -33,18 +31,7 @@ def _example() -> tuple[str, list[str]]:
 @pytest.mark.timeout(150)
 def test_the_logger_example_prints_what_the_page_shows(tmp_path: Path) -> None:
     code, shown = _example()
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=140,
-        env=env,
-        check=False,
-    )
+    done = run_example(code, tmp_path)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     printed = (done.stdout + done.stderr).splitlines()
     logged = [line for line in shown if MARKER not in line and "INFO" in line]
