@@ -38,9 +38,9 @@ import torch.distributed as dist
 from . import _ops
 from ._debug import Fingerprint, Verifier, describe
 from ._env import gloo_on_loopback
-from ._handle import Completer, Handle, Health, Watchdog
+from ._handle import Handle
+from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
-from ._trace import Tracer
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
 from .errors import CollectiveMismatch, Leaving, translate
 
@@ -306,6 +306,53 @@ class Comm:
     def __init__(
         self,
         group: Any,
+        tree: Tree,
+        *,
+        rank: int,
+        world_size: int,
+        owns: Ownership,
+        label: str = "the session",
+        parent: Comm | None = None,
+        notices: LeaveNotices | None = None,
+    ) -> None:
+        self.group = group
+        self.tree = tree
+        self.label = label
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = tree.backend  # the device's backend (its route's)
+        self.device = device = tree.device
+        # by device type; the session's device first. ``cpu_route``: a CUDA
+        # lane whose group also carries CPU tensors on gloo
+        self.routes: dict[str, Route] = {device.type: Route(group, tree.backend, device)}
+        if tree.cpu_route and device.type != "cpu":
+            self.routes["cpu"] = Route(group, "gloo", torch.device("cpu"))
+        self.route_key: Callable[[torch.Tensor], str] = (
+            device_type if parent is None else parent.route_key
+        )
+        self.timeout = tree.timeout
+        self.debug = tree.debug
+        self.loopback = tree.loopback
+        self.health = tree.health
+        self._owns = owns
+        self._parent = parent
+        self._children: list[Comm] = []
+        self._side: dict[str, Any] = {}
+        self._outstanding: collections.deque[Handle[Any]] = collections.deque()
+        self._verifier = Verifier(rank) if tree.debug else None
+        self._closed = False
+        self._issuer: IssuerKey | None = None  # who issued last
+        self._issuer_name = ""
+        self._completer = Completer(f"asyncdist-completer-r{rank}")  # its threads start lazily
+        tree.watchdog.watch(self._outstanding)  # the tree's one watchdog thread
+        self._notices = notices  # how peers learn that this rank left on purpose
+        self._issued = 0  # collectives launched on this lane
+        self._splits = 0  # sub-lanes formed by split
+
+    @classmethod
+    def root(
+        cls,
+        group: Any,
         *,
         rank: int,
         world_size: int,
@@ -315,47 +362,22 @@ class Comm:
         owns: Ownership,
         debug: bool = False,
         loopback: bool = False,
-        health: Health | None = None,
-        parent: Comm | None = None,
-        label: str = "the session",
-        notices: LeaveNotices | None = None,
         cpu_route: bool = False,
-    ) -> None:
-        self.group = group
-        self.label = label
-        self.rank = rank
-        self.world_size = world_size
-        self.backend = backend  # the device's backend (its route's)
-        self.device = device
-        # by device type; the session's device first. ``cpu_route``: a CUDA
-        # lane whose group also carries CPU tensors on gloo
-        self.routes: dict[str, Route] = {device.type: Route(group, backend, device)}
-        if cpu_route and device.type != "cpu":
-            self.routes["cpu"] = Route(group, "gloo", torch.device("cpu"))
-        self.route_key: Callable[[torch.Tensor], str] = device_type
-        self.timeout = timeout
-        self.debug = debug
-        self.loopback = loopback
-        self.health = (
-            health if health is not None else Health(rank=rank, timeout=timeout, debug=debug)
+    ) -> Comm:
+        """The root lane of a new session tree, with the tree's shared record
+        (and its watchdog thread)."""
+        tree = Tree.start(
+            rank=rank,
+            timeout=timeout,
+            debug=debug,
+            loopback=loopback,
+            backend=backend,
+            device=device,
+            cpu_route=cpu_route,
         )
-        self._owns = owns
-        self._parent = parent
-        self._children: list[Comm] = []
-        self._side: dict[str, Any] = {}
-        self._outstanding: collections.deque[Handle[Any]] = collections.deque()
-        self._verifier = Verifier(rank) if debug else None
-        self._tracer: Tracer | None = None
-        self._closed = False
-        self._issuer: IssuerKey | None = None  # who issued last
-        self._issuer_name = ""
-        self._completer = Completer(f"asyncdist-completer-r{rank}")
-        self._watchdog = Watchdog(self.health, self._outstanding)
-        if notices is None and parent is None and owns == "world":
-            notices = LeaveNotices.for_world(world_size, label)
-        self._notices = notices  # how peers learn that this rank left on purpose
-        self._issued = 0  # collectives launched on this lane
-        self._splits = 0  # sub-lanes formed by split
+        if owns == "world":
+            tree.notices = LeaveNotices.for_world(world_size, "the session")
+        return cls(group, tree, rank=rank, world_size=world_size, owns=owns, notices=tree.notices)
 
     # -- groups -------------------------------------------------------------------
 
@@ -453,21 +475,14 @@ class Comm:
     ) -> Comm:
         child = Comm(
             group,
+            self.tree,
             rank=rank,
             world_size=world_size,
-            backend=self.backend,
-            device=self.device,
-            timeout=self.timeout,
             owns="group",
-            debug=self.debug,
-            loopback=self.loopback,
-            health=self.health,
             parent=self,
             label=label,
             notices=notices,
-            cpu_route="cpu" in self.routes,  # sub-groups take the default group's backends
         )
-        child.route_key = self.route_key
         self._children.append(child)
         try:
             child.form_side_groups()
@@ -531,16 +546,13 @@ class Comm:
     # -- tracing -------------------------------------------------------------------
 
     @property
-    def tracer(self) -> Tracer | None:
-        """The tracer recording this lane's collectives (shared by sub-lanes)."""
-        return self._parent.tracer if self._parent is not None else self._tracer
+    def tracer(self) -> Recorder | None:
+        """The tracer recording the collectives of this lane's tree."""
+        return self.tree.tracer
 
     @tracer.setter
-    def tracer(self, tracer: Tracer | None) -> None:
-        if self._parent is not None:
-            self._parent.tracer = tracer
-        else:
-            self._tracer = tracer
+    def tracer(self, tracer: Recorder | None) -> None:
+        self.tree.tracer = tracer
 
     # -- launching -----------------------------------------------------------------
 
@@ -583,7 +595,7 @@ class Comm:
         else:
             self._issue_verified(handle, spec, received, route)
         outstanding.append(handle)
-        tracer = self.tracer
+        tracer = self.tree.tracer
         if tracer is not None:
             shown = spec.inputs if spec.shown is None else spec.shown
             tracer.record(handle, _ops.nbytes(shown) + len(spec.payload))
@@ -745,7 +757,10 @@ class Comm:
         for child in list(self._children):
             child.close()
         self._completer.close(timeout=self.timeout)
-        self._watchdog.close()
+        if self._parent is None:
+            self.tree.close()  # the tree's watchdog: the root closes last
+        else:
+            self.tree.watchdog.unwatch(self._outstanding)
         handles = list(self._outstanding)
         self._outstanding.clear()
         side, self._side = list(self._side.values()), {}

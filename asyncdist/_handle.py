@@ -18,7 +18,7 @@ How completion is observed, by kind of work:
   ordering key runs them in issue order. One thread serves every handle of
   that key; none is parked per handle.
 
-The session's ``Watchdog`` thread looks at outstanding handles about once
+The session tree's ``Watchdog`` thread (``_progress``) looks at outstanding handles about once
 a second: it settles finished ones nobody looked at (so a handle completes
 without being awaited, and a failure breaks the session) and declares lost
 those that made no progress within the timeout.
@@ -36,10 +36,8 @@ only where the settling thread's own mode differs.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -48,11 +46,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from . import _wakeup
+from ._progress import WATCHDOG_GRACE, Health
 from .errors import (
-    AsyncDistError,
     CollectiveTimeout,
     Departure,
-    FinishError,
     finish_failed,
     translate,
 )
@@ -88,60 +85,9 @@ def in_mode(mode: Mode, fn: Callable[[], T]) -> T:
         return fn()
 
 
-# Seconds the handle's own watchdog allows past the session timeout before it
-# declares a collective lost; the backend's timeout normally fires first.
-WATCHDOG_GRACE = 3.0
 # A blocking wait returns to Python this often, so signal handlers (Ctrl-C,
 # a launcher's SIGTERM) run promptly.
 WAIT_SLICE = 0.5
-
-
-class Health:
-    """Per-session fault state shared by the session and its completions.
-
-    Holds no reference to the process group (see the module docstring).
-    """
-
-    __slots__ = ("debug", "fault", "fault_seen", "last_progress", "rank", "timeout")
-
-    def __init__(self, *, rank: int, timeout: float, debug: bool = False) -> None:
-        self.rank = rank
-        self.timeout = timeout
-        self.debug = debug  # debug mode: mismatches are caught before the backend
-        self.fault: BaseException | None = None
-        self.fault_seen = False  # the user was shown a fault of this session
-        self.last_progress = time.monotonic()
-
-    def progressed(self) -> None:
-        self.last_progress = time.monotonic()
-
-    def break_(self, exc: BaseException) -> None:
-        if self.fault is None:
-            self.fault = exc
-
-    def saw(self, error: BaseException | None) -> None:
-        """``error`` reached the user; a fault (not a local error) counts as seen."""
-        if isinstance(error, AsyncDistError) and not isinstance(error, FinishError):
-            self.fault_seen = True
-
-    def fail(
-        self,
-        exc: BaseException,
-        *,
-        op: str,
-        left: Callable[[], Departure | None] | None = None,
-    ) -> AsyncDistError:
-        """Translate a backend error raised straight to the caller, break the
-        session with it and mark it seen; the caller raises the result.
-        ``left``: see ``translate``."""
-        error = translate(
-            exc, op=op, rank=self.rank, timeout=self.timeout, left=left, debug=self.debug
-        )
-        if error is not exc:
-            error.__cause__ = exc
-        self.break_(error)
-        self.saw(error)
-        return error
 
 
 class _Completion:
@@ -222,100 +168,6 @@ class _Completion:
         if self._error is not None:
             raise self._error
         return self._value
-
-
-class Completer:
-    """Completes futureless works (gloo ``reduce_scatter``, ``send``/``recv``).
-
-    One daemon thread per ordering key waits on that key's works in issue
-    order; works of one key complete in that order anyway (one collective
-    stream, or one peer and direction), so waiting in order never delays a
-    completion behind an unrelated one.
-    """
-
-    _STOP = object()
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._lock = threading.Lock()
-        self._queues: dict[str, queue.SimpleQueue[Any]] = {}
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, key: str, job: Callable[[], None]) -> None:
-        with self._lock:
-            jobs = self._queues.get(key)
-            if jobs is None:
-                jobs = self._queues[key] = queue.SimpleQueue()
-                thread = threading.Thread(
-                    target=self._run, args=(jobs,), name=f"{self._name}:{key}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()
-        jobs.put(job)
-
-    @classmethod
-    def _run(cls, jobs: queue.SimpleQueue[Any]) -> None:
-        while True:
-            job = jobs.get()
-            if job is cls._STOP:
-                return
-            job()
-            del job
-
-    def close(self, timeout: float | None) -> None:
-        """Stop the threads once their queued works are done; wait up to
-        ``timeout`` for them (threads stuck on a lost peer are left to the
-        backend timeout; they are daemons)."""
-        with self._lock:
-            for jobs in self._queues.values():
-                jobs.put(self._STOP)
-            threads, self._threads, self._queues = self._threads, [], {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in threads:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            thread.join(remaining)
-
-
-class Watchdog:
-    """Declares a session's collectives lost when it stops making progress.
-
-    One daemon thread per session, not per handle.  The backend's own
-    timeout (the group timeout) normally fires first; this is the backstop
-    for a collective the backend never finishes.  A pending handle expires
-    once neither it was launched nor anything completed in the last
-    ``timeout + WATCHDOG_GRACE`` seconds.
-    """
-
-    def __init__(self, health: Health, outstanding: collections.deque[Handle[Any]]) -> None:
-        self._health = health
-        self._outstanding = outstanding
-        self._stop = threading.Event()
-        self._limit = health.timeout + WATCHDOG_GRACE
-        self._thread = threading.Thread(
-            target=self._run, name=f"asyncdist-watchdog-r{health.rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        period = min(1.0, self._limit / 4)
-        while not self._stop.wait(period):
-            self.check()
-
-    def check(self) -> None:
-        for handle in self._snapshot():
-            if not handle.done() and handle._budget() <= 0:
-                handle._expire()
-
-    def _snapshot(self) -> list[Handle[Any]]:
-        while True:
-            try:
-                return list(self._outstanding)
-            except RuntimeError:  # appended to while copying; try again
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class Handle(Generic[T_co]):
@@ -446,7 +298,7 @@ class Handle(Generic[T_co]):
         if self.done():
             self._observed = True
             if self._health is not None:
-                self._health.saw(self._completion.error())
+                self._health.mark_seen(self._completion.error())
         return self._completion.error()
 
     def __repr__(self) -> str:
@@ -509,7 +361,7 @@ class Handle(Generic[T_co]):
                 # callers' (with their works and groups): the session keeps its
                 # fault, and must not keep those alive past its end.
                 error.__cause__ = exc.with_traceback(None)
-            health.break_(error)
+            health.record_fault(error)
             completion.set_error(error)
             return
         health.progressed()
@@ -551,7 +403,7 @@ class Handle(Generic[T_co]):
             op=self._op,
             rank=health.rank,
         )
-        health.break_(error)
+        health.record_fault(error)
         self._completion.set_error(error)
 
     # -- waiting -------------------------------------------------------------
@@ -591,7 +443,7 @@ class Handle(Generic[T_co]):
         """The result, safe to use on this thread's current CUDA stream."""
         self._observed = True
         if self._health is not None:
-            self._health.saw(self._completion.error())
+            self._health.mark_seen(self._completion.error())
         result: T_co = self._completion.result()
         if self._work is not None:
             # Settled on another thread, maybe: order this thread's current stream

@@ -388,7 +388,7 @@ class DistSession(Collectives):
         )
         if device.type not in backends:
             device = torch.device("cpu")
-        return Comm(
+        return Comm.root(
             dist.group.WORLD,
             rank=rank,
             world_size=world,
@@ -419,7 +419,7 @@ class DistSession(Collectives):
         mixed = self._requested_backend is None and device.type == "cuda"
         self._form_world(env, MIXED if mixed else backend, device, loopback)
         self._local_rank = env.local_rank
-        return Comm(
+        return Comm.root(
             dist.group.WORLD,
             rank=env.rank,
             world_size=env.world_size,

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from ._handle import Handle
+from ._progress import Recorder
 
 TRACKS = {"collectives": 1, "compute": 2}
 
@@ -123,10 +124,10 @@ class Traced(Protocol):
     world_size: int
 
     @property
-    def tracer(self) -> Tracer | None: ...
+    def tracer(self) -> Recorder | None: ...
 
     @tracer.setter
-    def tracer(self, tracer: Tracer | None) -> None: ...
+    def tracer(self, tracer: Recorder | None) -> None: ...
 
 
 class TraceBlock:
@@ -151,7 +152,7 @@ class TraceBlock:
         self._lane = lane
         self._gather = gather
         self._started = False
-        self._tracer: Tracer | None = None
+        self._tracer: Recorder | None = None
 
     def __enter__(self) -> None:
         tracer = self._lane.tracer
