@@ -21,9 +21,10 @@ from typing import Any, TextIO, TypeVar
 import torch
 
 from . import _ops, _pickle, _tree
-from ._comm import Comm, Spec
+from ._comm import Comm
 from ._debug import describe
 from ._handle import Handle, combined
+from ._wire import Spec
 from .errors import AsyncDistError, PeerFailure
 
 T = TypeVar("T")

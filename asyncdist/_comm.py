@@ -1,4 +1,4 @@
-"""The communication layer: the one module that calls ``torch.distributed`` for collectives.
+"""The lane: one ordered stream of collectives over one process group.
 
 A ``Comm`` is one ordered lane over one process group. It owns what
 the lane needs to run: the group and its side groups (object traffic, debug
@@ -7,290 +7,42 @@ handles, the completer threads for works gloo gives no future, the
 watchdog, sub-lanes formed by ``Comm.split``, and the order in which all
 of that is torn down.
 
-Collectives reach it as a ``Spec``: a small declarative description of
+Collectives reach it as a ``_wire.Spec``: a small declarative description of
 what to issue (which call, which tensors, reduce op, root) and how to finish
 (the step that turns the completed work into the handle's result). One
-``Comm.launch`` issues every spec the same way, so tracing and debug
-verification cover every op alike.
+``Comm.launch`` issues every spec the same way, through ``_wire`` (the only
+module that calls torch collectives), so tracing and debug verification
+cover every op alike.
 
-Teardown order (DESIGN §4): gloo runs future callbacks on its worker thread
-while that thread still holds the work, so the last reference to a group must
-never be dropped there. ``Comm.close`` first stops the completer and the
-watchdog (joining their threads), forgets the outstanding handles, then
-destroys side groups, sub-groups and the group, on the closing thread.
+``Comm.close`` tears the lane down in the order gloo needs, which the
+``_groups`` module docstring explains: sub-lanes, then the completer and (for
+the root) the tree's watchdog, joined, then the groups, on the closing
+thread, and only then the outstanding handles let go of their works.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
-import datetime
 import logging
 import threading
-import zlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Generic, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from . import _ops
-from ._debug import Fingerprint, Verifier, describe
-from ._env import gloo_on_loopback
+from . import _groups, _ops, _wire
+from ._debug import Fingerprint, Verifier
+from ._groups import Ownership
 from ._handle import Handle
 from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
+from ._wire import Route, Spec, device_type
 from .errors import CollectiveMismatch, Leaving, translate
 
 logger = logging.getLogger("asyncdist")
 
 T = TypeVar("T")
-
-Call = Literal[
-    "allreduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "reduce",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "barrier",
-    "broadcast_object",
-    "all_gather_object",
-    "gather_object",
-    "all_gather_rows",
-]
-Ownership = Literal["world", "group", "adopted"]
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Where the tensors of one device type travel: the group that carries
-    them, its backend there, and the one device of that type the lane serves.
-
-    A CUDA session has two, like torch's default group
-    (``"cpu:gloo,cuda:nccl"``): ``cuda`` on NCCL, ``cpu`` on gloo, both over
-    one process group that dispatches by device.
-    """
-
-    group: Any
-    backend: str
-    device: torch.device
-
-    def __str__(self) -> str:
-        return f"{self.device} ({self.backend})"
-
-
-def device_type(tensor: torch.Tensor) -> str:
-    """The default routing key: the tensor's device type."""
-    return tensor.device.type
-
-
-_POINT_TO_POINT = frozenset({"send", "recv"})
-
-
-@dataclass(slots=True, eq=False)
-class Spec(Generic[T]):
-    """One collective to issue, as data.
-
-    ``inputs``/``outputs`` are the tensors as they travel (wire views);
-    ``shown`` the tensors as the caller passed them, described in debug
-    fingerprints and counted in traces (default: ``inputs``). ``root`` is
-    the group rank of the source, destination or peer. ``finish()`` gives
-    the handle's result once the work completed; for object calls it takes
-    what was received.
-    """
-
-    op: str
-    call: Call
-    finish: Callable[..., T]
-    inputs: Sequence[torch.Tensor] = ()
-    outputs: Sequence[torch.Tensor] | None = ()
-    reduce: _ops.Reduction | None = None
-    root: int | None = None
-    payload: bytes = b""
-    shown: Sequence[torch.Tensor] | None = None
-    pairwise: bool = False
-
-
-# -- issuing: spec -> torch work (async_op=True) ----------------------------------------
-
-
-def _allreduce(group: Any, spec: Spec[Any]) -> Any:
-    assert spec.reduce is not None
-    options = dist.AllreduceOptions()
-    options.reduceOp = spec.reduce.wire_op
-    options.asyncOp = True
-    # The ProcessGroup method directly: dist.all_reduce re-does the checks the
-    # collectives made already and costs ~10 µs a call.
-    return group.allreduce([spec.inputs[0]], options)
-
-
-def _broadcast(group: Any, spec: Spec[Any]) -> Any:
-    options = dist.BroadcastOptions()
-    options.rootRank = _root(spec)
-    options.rootTensor = 0
-    options.asyncOp = True
-    return group.broadcast([spec.inputs[0]], options)
-
-
-def _wire_op(spec: Spec[Any]) -> Any:
-    assert spec.reduce is not None
-    return spec.reduce.wire_op
-
-
-def _outputs(spec: Spec[Any]) -> list[torch.Tensor] | None:
-    return None if spec.outputs is None else list(spec.outputs)
-
-
-def _out(spec: Spec[Any]) -> torch.Tensor:
-    assert spec.outputs is not None
-    return spec.outputs[0]
-
-
-def _root(spec: Spec[Any]) -> int:
-    assert spec.root is not None
-    return spec.root
-
-
-_ISSUE: dict[str, Callable[[Any, Spec[Any]], Any]] = {
-    "allreduce": _allreduce,
-    "broadcast": _broadcast,
-    # gloo takes the concatenated (flat) forms only
-    "all_gather": lambda g, s: dist.all_gather_single(_out(s), s.inputs[0], group=g, async_op=True),
-    "reduce_scatter": lambda g, s: dist.reduce_scatter_single(
-        _out(s), s.inputs[0], op=_wire_op(s), group=g, async_op=True
-    ),
-    "all_to_all": lambda g, s: dist.all_to_all(_outputs(s), list(s.inputs), group=g, async_op=True),
-    "reduce": lambda g, s: dist.reduce(
-        s.inputs[0], op=_wire_op(s), group=g, group_dst=s.root, async_op=True
-    ),
-    "gather": lambda g, s: dist.gather(
-        s.inputs[0], _outputs(s), group=g, group_dst=s.root, async_op=True
-    ),
-    # off the source, scatter takes no chunks: inputs is empty there
-    "scatter": lambda g, s: dist.scatter(
-        _out(s), list(s.inputs) or None, group=g, group_src=s.root, async_op=True
-    ),
-    "send": lambda g, s: dist.isend(s.inputs[0], group=g, group_dst=s.root),
-    "recv": lambda g, s: dist.irecv(_out(s), group=g, group_src=s.root),
-    "barrier": lambda g, s: dist.barrier(group=g, async_op=True),
-}
-
-
-def _futureless(spec: Spec[Any]) -> str | None:
-    """The completer key of a work gloo gives no future (DESIGN §4), or None.
-
-    Works of one key complete in issue order (one collective stream, or one
-    peer and direction), so one thread waiting on them in order delays none.
-    """
-    if spec.call == "reduce_scatter":
-        return "collectives"
-    if spec.call == "send":
-        return f"send->{spec.root}"
-    if spec.call == "recv":
-        return f"recv<-{spec.root}"
-    return None
-
-
-# -- object exchanges: two steps (size, then payload) on the side group ----------------
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The bytes of a CPU uint8 tensor (no numpy needed)."""
-    tensor = tensor.contiguous()
-    return ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b""
-
-
-def _byte_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _broadcast_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> bytes:
-    src = spec.root
-    size = torch.tensor([len(spec.payload)], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=src)
-    if rank == src:
-        buffer = _byte_tensor(spec.payload)
-    else:
-        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-    if buffer.numel():
-        dist.broadcast(buffer, group=group, group_src=src)
-    return _tensor_bytes(buffer)
-
-
-def _all_gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> list[bytes]:
-    payload = spec.payload
-    sizes = torch.empty(world_size, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
-    longest = int(sizes.max().item())
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(payload)] = _byte_tensor(payload)
-    everyone = torch.empty(world_size * longest, dtype=torch.uint8)
-    dist.all_gather_single(everyone, mine, group=group)
-    return [
-        _tensor_bytes(everyone[r * longest : r * longest + int(sizes[r])])
-        for r in range(world_size)
-    ]
-
-
-def _gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> list[bytes] | None:
-    payload, dst = spec.payload, _root(spec)
-    sizes = torch.empty(world_size, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
-    longest = int(sizes.max().item())
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(payload)] = _byte_tensor(payload)
-    buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
-    if longest:
-        dist.gather(mine, buffers if rank == dst else None, group=group, group_dst=dst)
-    if rank != dst:
-        return None
-    return [_tensor_bytes(buffers[r][: int(sizes[r])]) for r in range(world_size)]
-
-
-def _all_gather_rows(
-    group: Any, spec: Spec[Any], world_size: int, rank: int
-) -> tuple[list[torch.Tensor], str]:
-    """All-gather CPU tensors whose first dimension differs by rank: exchange
-    the row counts (and a digest of the rest of the shape and the dtype),
-    gather every rank's rows padded to the longest, trim. Returns the rows by
-    rank and ``""``, or ``[]`` and what the ranks disagree on (every rank
-    sees the same headers, so every rank stops at the same point)."""
-    mine = spec.inputs[0]
-    kind = f"{mine.dtype}{list(mine.shape[1:])}".encode()
-    header = torch.tensor([mine.shape[0], zlib.crc32(kind)], dtype=torch.int64)
-    headers = torch.empty(2 * world_size, dtype=torch.int64)
-    dist.all_gather_single(headers, header, group=group)
-    rows, digests = headers[0::2].tolist(), headers[1::2].tolist()
-    if len(set(digests)) > 1:
-        described = replace(spec, payload=describe(mine).encode())
-        shapes = [data.decode() for data in _all_gather_bytes(group, described, world_size, rank)]
-        listed = ", ".join(f"{shape} on rank {r}" for r, shape in enumerate(shapes))
-        return [], (
-            f"{spec.op} on rank {rank}: only the first dimension may differ between ranks, "
-            f"got {listed}"
-        )
-    longest, rest = max(rows), mine.shape[1:]
-    padded = mine.new_zeros((longest, *rest))
-    padded[: mine.shape[0]] = mine
-    everyone = mine.new_empty((world_size * longest, *rest))
-    if everyone.numel():
-        dist.all_gather_single(everyone.view(-1), padded.view(-1), group=group)
-    return [everyone[r * longest : r * longest + rows[r]] for r in range(world_size)], ""
-
-
-_EXCHANGE: dict[str, Callable[[Any, Spec[Any], int, int], Any]] = {
-    "broadcast_object": _broadcast_bytes,
-    "all_gather_object": _all_gather_bytes,
-    "gather_object": _gather_bytes,
-    "all_gather_rows": _all_gather_rows,
-}
 
 
 class Comm:
@@ -384,28 +136,29 @@ class Comm:
     @property
     def global_ranks(self) -> list[int]:
         """The default group's ranks of this lane's members, by lane rank."""
-        if self._parent is None and self.group is dist.group.WORLD:
-            return list(range(self.world_size))
-        return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        return _groups.global_ranks(self.group, self.world_size)
 
     def form_side_groups(self) -> None:
         """Form the side groups now, while waiting for peers is expected (the
-        session's entry and ``split`` run off the event loop in async code),
-        not inside the first object collective.
+        session's entry, ``split`` and ``channel`` run off the event loop in
+        async code), not inside the first object collective.
+
+        Every lane, each channel included, keeps its own objects group:
+        object collectives are two steps (sizes, then payload) run on a
+        completer thread, which on the lane's own group would interleave with
+        the collectives issued meanwhile. Forming it lazily, at the first
+        object collective, is unsafe: torch names a group formed with
+        ``use_local_synchronization=True`` by ``len(_world.pg_names)``, so
+        ranks that form groups in different orders would name it differently
+        (see ``_groups``).
 
         Raises:
             RuntimeError, OSError: a peer did not join in time.
         """
-        ranks = self.global_ranks
         kinds = ("objects", "debug") if self.debug else ("objects",)
-        with gloo_on_loopback(self.loopback):
-            for kind in kinds:
-                self._side[kind] = dist.new_group(
-                    ranks,
-                    timeout=datetime.timedelta(seconds=self.timeout),
-                    backend="gloo",
-                    use_local_synchronization=True,
-                )
+        self._side = _groups.form_side_groups(
+            self.global_ranks, kinds, timeout=self.timeout, loopback=self.loopback
+        )
 
     def split(self, group_size: int) -> Comm:
         """A lane over this rank's block of ``group_size`` consecutive ranks,
@@ -418,16 +171,14 @@ class Comm:
             CollectiveError: a peer did not join in time (the session breaks).
         """
         ranks, mine = self.global_ranks, self.rank // group_size
-        own: Any = None
         try:
-            with gloo_on_loopback(self.loopback and self.uses_gloo):
-                for block in range(self.world_size // group_size):
-                    group = dist.new_group(
-                        ranks[block * group_size : (block + 1) * group_size],
-                        timeout=datetime.timedelta(seconds=self.timeout),
-                    )
-                    if block == mine:
-                        own = group
+            own = _groups.form_blocks(
+                ranks,
+                group_size,
+                mine,
+                timeout=self.timeout,
+                loopback=self.loopback and self.uses_gloo,
+            )
         except RuntimeError as exc:
             raise self.health.fail(exc, op="split") from exc
         first = ranks[mine * group_size]
@@ -450,12 +201,11 @@ class Comm:
             CollectiveError: a peer did not join in time (the session breaks).
         """
         try:
-            with gloo_on_loopback(self.loopback and self.uses_gloo):
-                group = dist.new_group(
-                    self.global_ranks,
-                    timeout=datetime.timedelta(seconds=self.timeout),
-                    use_local_synchronization=True,
-                )
+            group = _groups.form_channel(
+                self.global_ranks,
+                timeout=self.timeout,
+                loopback=self.loopback and self.uses_gloo,
+            )
         except RuntimeError as exc:
             raise self.health.fail(exc, op="channel") from exc
         label = f"channel {name!r}"
@@ -568,7 +318,7 @@ class Comm:
             CollectiveError: torch refused the call before anything was sent.
             CollectiveMismatch: (debug mode, sync callers) ranks disagree.
         """
-        route = None if spec.call in _EXCHANGE else self._route_of(spec)
+        route = None if _wire.is_exchange(spec) else self._route_of(spec)
         outstanding = self._outstanding
         while outstanding and outstanding[0].done():
             retired = outstanding.popleft()
@@ -579,7 +329,7 @@ class Comm:
             self._switch_issuer(issuer, spec.op)
         received: list[Any] | None = None
         finish: Callable[[], Any] = spec.finish
-        if spec.call in _EXCHANGE:
+        if _wire.is_exchange(spec):
             received = []
             box = received
 
@@ -632,18 +382,18 @@ class Comm:
         if received is not None:
             # Two steps on the side group, in program order on one thread:
             # issued from a callback, the second step would race with what
-            # the program issues meanwhile (DESIGN §4).
-            exchange, group = _EXCHANGE[spec.call], self._side["objects"]
+            # the program issues meanwhile (see ``_wire``).
+            group = self._side["objects"]
             world, rank = self.world_size, self.rank
 
             def run() -> None:
-                received.append(exchange(group, spec, world, rank))
+                received.append(_wire.exchange(group, spec, world, rank))
 
             self._completer.submit("objects", lambda: handle._settle(run))
             return
         assert route is not None
         try:
-            work = _ISSUE[spec.call](route.group, spec)
+            work = _wire.issue(route.group, spec)
         except (RuntimeError, ValueError) as exc:
             # refused by torch before anything reached the wire
             raise translate(
@@ -654,7 +404,7 @@ class Comm:
                 left=handle._left(),
                 debug=self.debug,
             ) from exc
-        key = _futureless(spec) if route.backend == "gloo" else None
+        key = _wire.futureless(spec) if route.backend == "gloo" else None
         if key is not None:
             self._completer.submit(f"{route.device.type}:{key}", lambda: handle._settle(work.wait))
         else:
@@ -676,7 +426,7 @@ class Comm:
         """
         assert self._verifier is not None
         fingerprint = None
-        if spec.call not in _POINT_TO_POINT:  # two ranks only: nothing to compare
+        if spec.call not in _wire.POINT_TO_POINT:  # two ranks only: nothing to compare
             fingerprint = self._verifier.fingerprint(
                 spec.op,
                 spec.inputs if spec.shown is None else spec.shown,
@@ -708,17 +458,13 @@ class Comm:
 
     def _agree(self, op: str, fingerprint: Fingerprint, handle: Handle[Any]) -> None:
         assert self._verifier is not None
-        raw = torch.frombuffer(bytearray(fingerprint.encode()), dtype=torch.uint8)
-        size = raw.numel()
-        everyone = torch.empty(self.world_size * size, dtype=torch.uint8)
         try:
-            dist.all_gather_single(everyone, raw, group=self._side["debug"])
+            exchanged = _wire.exchange_fingerprints(
+                self._side["debug"], fingerprint.encode(), self.world_size
+            )
         except RuntimeError as exc:
             raise self.health.fail(exc, op=op, left=handle._left()) from exc
-        prints = [
-            Fingerprint.decode(_tensor_bytes(everyone[r * size : (r + 1) * size]))
-            for r in range(self.world_size)
-        ]
+        prints = [Fingerprint.decode(data) for data in exchanged]
         self._verifier.check(op, prints)
 
     # -- leaving -------------------------------------------------------------------
@@ -750,7 +496,7 @@ class Comm:
 
     def close(self) -> None:
         """Release everything, in the order that keeps gloo from aborting
-        (see the module docstring). Closing twice is fine."""
+        (the ``_groups`` module docstring says why). Closing twice is fine."""
         if self._closed:
             return
         self._closed = True
@@ -764,16 +510,7 @@ class Comm:
         handles = list(self._outstanding)
         self._outstanding.clear()
         side, self._side = list(self._side.values()), {}
-        groups = [] if self._owns == "world" else side  # the world takes its groups along
-        if self._owns == "world":
-            groups.append(None)
-        elif self._owns == "group":
-            groups.append(self.group)
-        for group in groups:
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError, KeyError) as exc:  # already gone
-                logger.debug("destroy_process_group: %s", exc)
+        _groups.destroy(self._owns, self.group, side)
         # Once the groups are gone, handles the program (or a fault's traceback)
         # still holds let go of their works, which keep gloo's transport alive.
         for handle in handles:

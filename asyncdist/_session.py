@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import threading
-import traceback
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
@@ -26,26 +25,21 @@ from typing import Any, Literal
 import anyio
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
-from . import _ops
+from . import _groups, _ops
 from ._channel import Channel
 from ._collectives import Collectives
 from ._comm import Comm
 from ._env import (
     MIXED,
-    LaunchEnv,
-    backends_by_device,
     choose_backend,
     choose_device,
     detect,
-    gloo_on_loopback,
     is_loopback,
     launcher_local_rank,
 )
 from ._grad import GradientSync, Options
 from ._handle import Handle
-from ._store import forget, session_store
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
@@ -85,20 +79,6 @@ def _seconds(timeout: float | datetime.timedelta | None) -> float:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return seconds
-
-
-def _name_groups_afresh() -> None:
-    """Let the next default group be named as on every other rank: "0".
-
-    torch names the default group by a per-process counter that only
-    ``destroy_process_group()`` resets, and a failed ``init_process_group``
-    leaves it advanced. After a fault at entry that failed inside init on one
-    rank and before it on another (reaching the store), the ranks' next groups
-    would differ in name, wait for each other's keys under different prefixes,
-    and no later session of those processes could form. Called only while no
-    default group exists, so no group carries a counter-given name.
-    """
-    distributed_c10d._world.group_count = 0
 
 
 def _leaving(exc: BaseException | None, cancelled: type[BaseException] | None = None) -> Leaving:
@@ -370,26 +350,16 @@ class DistSession(Collectives):
             ) from exc
 
     def _adopt(self) -> Comm:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        for name, actual, wanted in (
-            ("rank", rank, self._requested_rank),
-            ("world_size", world, self._requested_world),
-        ):
-            if wanted is not None and wanted != actual:
-                raise InitError(
-                    f"the default process group is already initialised with {name}={actual}, "
-                    f"but {name}={wanted} was requested"
-                )
+        rank, world, backends = _groups.adopt_world(self._requested_rank, self._requested_world)
         local_rank = launcher_local_rank()
         self._local_rank = rank if local_rank is None else local_rank
-        backends = backends_by_device(str(dist.get_backend()))
         device = choose_device(
             self._requested_device, backends.get("cuda", "gloo"), self._local_rank
         )
         if device.type not in backends:
             device = torch.device("cpu")
         return Comm.root(
-            dist.group.WORLD,
+            _groups.world_group(),
             rank=rank,
             world_size=world,
             backend=backends[device.type],
@@ -417,10 +387,17 @@ class DistSession(Collectives):
         # like torch's default group: CUDA tensors on NCCL, CPU tensors on gloo,
         # unless a backend was asked for
         mixed = self._requested_backend is None and device.type == "cuda"
-        self._form_world(env, MIXED if mixed else backend, device, loopback)
+        self._owned_store = _groups.form_world(
+            env,
+            MIXED if mixed else backend,
+            device,
+            init_method=self._init_method,
+            timeout=self._timeout,
+            loopback=loopback,
+        )
         self._local_rank = env.local_rank
         return Comm.root(
-            dist.group.WORLD,
+            _groups.world_group(),
             rank=env.rank,
             world_size=env.world_size,
             backend=backend,
@@ -431,41 +408,6 @@ class DistSession(Collectives):
             debug=self._debug,
             loopback=loopback,
         )
-
-    def _form_world(
-        self, env: LaunchEnv, backend: str, device: torch.device, loopback: bool
-    ) -> None:
-        store, fresh = None, False
-        _name_groups_afresh()
-        try:
-            if self._init_method is None:
-                store, self._owned_store, fresh = session_store(env, self._timeout)
-            with gloo_on_loopback(loopback and "gloo" in backend):
-                dist.init_process_group(
-                    backend,
-                    init_method=self._init_method,
-                    store=store,
-                    rank=env.rank,
-                    world_size=env.world_size,
-                    timeout=datetime.timedelta(seconds=self._timeout),
-                    device_id=device if "nccl" in backend else None,
-                )
-        except InitError:
-            self._owned_store = None
-            raise
-        except (RuntimeError, OSError, ValueError) as exc:
-            self._owned_store = None
-            if fresh:
-                store = None
-                forget(env)  # release the port this failed session bound...
-                traceback.clear_frames(exc.__traceback__)  # ...which torch's frames hold
-            where = self._init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
-            raise InitError(
-                f"rank {env.rank} of {env.world_size} could not form a {backend} group via "
-                f"{where} within {self._timeout:g} s ({exc}). Check that all "
-                f"{env.world_size} ranks started, that MASTER_ADDR/MASTER_PORT agree, and "
-                "that the master is reachable."
-            ) from exc
 
     def _drain(self) -> list[Handle[Any]]:
         """The handles still outstanding, in issue order (none if not open)."""
