@@ -2,23 +2,17 @@
 
 Collectives pair up across ranks by issue order *per lane*. A session is one
 lane; each channel is another, with its own process group(s), its own
-outstanding handles and its own object and debug side groups, so two tasks
+outstanding handles and its own object (and debug) side groups, so two tasks
 that issue concurrently stay correct as long as each uses its own lane. A
-channel shares the session's health (a fault on any lane breaks the session)
-and its life (it closes with the session).
+channel's lane shares its session tree's health (a fault on any lane breaks
+the session) and closes with the session's lane. A channel is only its name
+and its lane: it keeps no pointer back to its session.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import torch
-
 from ._collectives import Collectives
-from ._comm import Comm
-
-if TYPE_CHECKING:
-    from ._session import DistSession
+from ._lane import Lane
 
 
 class Channel(Collectives):
@@ -28,16 +22,13 @@ class Channel(Collectives):
     same program order); there is no public constructor.
     """
 
-    __slots__ = ("_comm", "_name", "_session")
+    __slots__ = ("_name",)
 
-    def __init__(self, session: DistSession, name: str, comm: Comm) -> None:
-        self._session = session
+    _lane: Lane
+
+    def __init__(self, name: str, lane: Lane) -> None:
         self._name = name
-        self._comm = comm
-
-    def _lane(self, op: str) -> Comm:
-        self._session._lane(op)  # open and healthy (the health is shared)
-        return self._comm
+        self._lane = lane
 
     @property
     def name(self) -> str:
@@ -45,35 +36,11 @@ class Channel(Collectives):
         return self._name
 
     @property
-    def rank(self) -> int:
-        """This process's rank on the channel (its rank in the session)."""
-        return self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks on the channel (the session's)."""
-        return self._comm.world_size
-
-    @property
-    def backend(self) -> str:
-        """``"gloo"`` or ``"nccl"``, as the session's."""
-        return self._comm.backend
-
-    @property
-    def device(self) -> torch.device:
-        """The device collectives on this channel run on (the session's)."""
-        return self._comm.device
-
-    @property
-    def group(self) -> Any:
-        """The channel's own ``torch.distributed`` process group (``None`` once closed)."""
-        return self._comm.group
-
-    @property
     def closed(self) -> bool:
         """True once the session was left."""
-        return self._session.closed
+        return self._lane.closed
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else self._session.state.value
+        lane = self._lane
+        state = "closed" if lane.closed else "broken" if lane.health.fault else "open"
         return f"<Channel {self._name!r} rank={self.rank}/{self.world_size} {state}>"

@@ -147,13 +147,13 @@ class Completer:
 
 
 class Watched(Protocol):
-    """What the watchdog needs of an outstanding collective."""
+    """What the watchdog needs of an outstanding collective (``_op.Op``)."""
 
     def done(self) -> bool: ...
 
-    def _budget(self) -> float: ...
+    def budget(self) -> float: ...
 
-    def _expire(self) -> None: ...
+    def expire(self) -> None: ...
 
 
 class Watchdog:
@@ -198,8 +198,8 @@ class Watchdog:
         for outstanding in lanes:
             handle: Watched
             for handle in _snapshot(outstanding):
-                if not handle.done() and handle._budget() <= 0:
-                    handle._expire()
+                if not handle.done() and handle.budget() <= 0:
+                    handle.expire()
 
     def close(self) -> None:
         self._stop.set()
@@ -219,7 +219,7 @@ def _snapshot(outstanding: collections.deque[Any]) -> list[Any]:
 class Recorder(Protocol):
     """A tree's tracer, as lanes and sessions use it (``_trace.Tracer``)."""
 
-    def record(self, handle: Any, nbytes: int) -> None: ...
+    def record(self, op: Any, nbytes: int) -> None: ...
 
     def span(self, name: str) -> contextlib.AbstractContextManager[None]: ...
 

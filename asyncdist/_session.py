@@ -1,7 +1,7 @@
 """DistSession: the process group's lifecycle.
 
 A session forms (or adopts) the default group on entry, hands its
-communication to a ``Comm``, and on exit drains,
+collectives to its root ``Lane``, and on exit drains,
 reports and tears down, however the block ends. The collective surface comes
 from ``Collectives``; sub-sessions from
 [DistSession.split][asyncdist.DistSession.split] are sessions over a sub-lane.
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from . import _groups, _ops
 from ._channel import Channel
 from ._collectives import Collectives
-from ._comm import Comm
 from ._env import (
     MIXED,
     choose_backend,
@@ -39,14 +38,14 @@ from ._env import (
     launcher_local_rank,
 )
 from ._grad import GradientSync, Options
-from ._handle import Handle
+from ._lane import Lane
+from ._op import Op
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
     FinishError,
     InitError,
     Leaving,
-    SessionBroken,
     SessionClosed,
 )
 
@@ -191,7 +190,7 @@ class DistSession(Collectives):
             None if trace is False else "asyncdist-trace.json" if trace is True else trace
         )
         self._state = State.UNOPENED
-        self._comm: Comm | None = None  # kept after closing: rank etc. stay readable
+        self._lane: Lane | None = None  # kept after closing: rank etc. stay readable
         self._local_rank = 0
         self._owned_store: dist.Store | None = None
         self._parent: DistSession | None = None
@@ -204,10 +203,10 @@ class DistSession(Collectives):
         self._syncs: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 
     @classmethod
-    def _over(cls, parent: DistSession, comm: Comm) -> DistSession:
-        """A sub-session over ``comm`` (a sub-lane of ``parent``'s), open from birth."""
-        sub = cls(comm.backend, timeout=comm.timeout, device=comm.device, debug=comm.debug)
-        sub._comm, sub._parent, sub._state = comm, parent, State.OPEN
+    def _sub_session(cls, parent: DistSession, lane: Lane) -> DistSession:
+        """A sub-session over ``lane`` (a sub-lane of ``parent``'s), open from birth."""
+        sub = cls(lane.backend, timeout=lane.timeout, device=lane.device, debug=lane.debug)
+        sub._lane, sub._parent, sub._state = lane, parent, State.OPEN
         sub._local_rank = parent._local_rank
         parent._children.append(sub)
         return sub
@@ -215,34 +214,9 @@ class DistSession(Collectives):
     # -- properties ------------------------------------------------------------
 
     @property
-    def rank(self) -> int:
-        """This process's rank in the session's group."""
-        return 0 if self._comm is None else self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the session's group."""
-        return 1 if self._comm is None else self._comm.world_size
-
-    @property
     def local_rank(self) -> int:
         """This process's index on its machine (``LOCAL_RANK``)."""
         return self._local_rank
-
-    @property
-    def backend(self) -> str:
-        """``"gloo"`` or ``"nccl"`` (empty before the session is entered)."""
-        return "" if self._comm is None else self._comm.backend
-
-    @property
-    def device(self) -> torch.device:
-        """The device collectives of this session run on."""
-        return torch.device("cpu") if self._comm is None else self._comm.device
-
-    @property
-    def group(self) -> Any:
-        """The underlying ``torch.distributed`` process group (``None`` unless open)."""
-        return None if self._comm is None else self._comm.group
 
     @property
     def is_main(self) -> bool:
@@ -263,7 +237,7 @@ class DistSession(Collectives):
     def state(self) -> State:
         """The session's [State][asyncdist.State]: ``UNOPENED``, ``OPEN``,
         ``BROKEN`` (after a fault) or ``CLOSED``."""
-        comm = self._comm
+        comm = self._lane
         if self._state is State.OPEN and comm is not None and comm.health.fault is not None:
             return State.BROKEN
         return self._state
@@ -315,7 +289,7 @@ class DistSession(Collectives):
         how = _leaving(exc, anyio.get_cancelled_exc_class())
         # Shielded: a cancellation must not leave the group half torn down.
         with anyio.CancelScope(shield=True):
-            unseen = [await handle._join_async() for handle in self._drain()]
+            unseen = [await op.join_async() for op in self._drain()]
             # joining worker threads and destroying the group can block: not on the loop
             await anyio.to_thread.run_sync(functools.partial(self._teardown, left=how))
         self._report(unseen, raise_errors=exc is None)
@@ -333,7 +307,7 @@ class DistSession(Collectives):
                 "to start again"
             )
         comm = self._adopt() if dist.is_initialized() else self._init_group()
-        self._comm = comm
+        self._lane = comm
         if self._trace_path is not None:
             comm.tracer = Tracer(comm.rank)
         self._state = State.OPEN
@@ -349,7 +323,7 @@ class DistSession(Collectives):
                 "every rank is still running and declares the same channels."
             ) from exc
 
-    def _adopt(self) -> Comm:
+    def _adopt(self) -> Lane:
         rank, world, backends = _groups.adopt_world(self._requested_rank, self._requested_world)
         local_rank = launcher_local_rank()
         self._local_rank = rank if local_rank is None else local_rank
@@ -358,7 +332,7 @@ class DistSession(Collectives):
         )
         if device.type not in backends:
             device = torch.device("cpu")
-        return Comm.root(
+        return Lane.root(
             _groups.world_group(),
             rank=rank,
             world_size=world,
@@ -370,7 +344,7 @@ class DistSession(Collectives):
             debug=self._debug,
         )
 
-    def _init_group(self) -> Comm:
+    def _init_group(self) -> Lane:
         env = detect(
             rank=self._requested_rank,
             world_size=self._requested_world,
@@ -396,7 +370,7 @@ class DistSession(Collectives):
             loopback=loopback,
         )
         self._local_rank = env.local_rank
-        return Comm.root(
+        return Lane.root(
             _groups.world_group(),
             rank=env.rank,
             world_size=env.world_size,
@@ -409,14 +383,14 @@ class DistSession(Collectives):
             loopback=loopback,
         )
 
-    def _drain(self) -> list[Handle[Any]]:
-        """The handles still outstanding, in issue order (none if not open)."""
-        if self._state is not State.OPEN or self._comm is None:
+    def _drain(self) -> list[Op]:
+        """The collectives still outstanding, in issue order (none if not open)."""
+        if self._state is not State.OPEN or self._lane is None:
             return []
-        return self._comm.drain()
+        return self._lane.drain()
 
     def _close(self, how: Leaving) -> None:
-        unseen = [handle._join() for handle in self._drain()]
+        unseen = [op.join() for op in self._drain()]
         self._teardown(left=how)
         self._report(unseen, raise_errors=how == "finished")
 
@@ -428,10 +402,10 @@ class DistSession(Collectives):
         that broke the session, if no error of it ever reached the user (the
         watchdog found it on a handle nobody waited on).
         """
-        if self._comm is None:
+        if self._lane is None:
             return
         faults = [error for error in unseen if error is not None]
-        health = self._comm.health
+        health = self._lane.health
         if health.fault is not None and not health.fault_seen and health.fault not in faults:
             faults.insert(0, health.fault)
         for error in faults:
@@ -461,13 +435,13 @@ class DistSession(Collectives):
                 )
             sync.remove()  # backward after the session is plain local autograd
         self._syncs.clear()
-        if left is not None and self._comm is not None:
-            self._comm.leave(left)
+        if left is not None and self._lane is not None:
+            self._lane.leave(left)
         for child in list(self._children):
             child._teardown()
         self._state = State.CLOSED
         self._channels.clear()
-        comm = self._comm
+        comm = self._lane
         if comm is None:
             return
         tracer = comm.tracer if self._parent is None else None
@@ -495,27 +469,18 @@ class DistSession(Collectives):
         else:
             self._state = State.CLOSED
 
-    def _lane(self, op: str) -> Comm:
-        comm = self._comm
-        if self._state is not State.OPEN or comm is None:
+    def _usable(self, op: str) -> Lane:
+        if self._state is not State.OPEN or self._lane is None:
             where = f" on rank {self.rank}" if self._state is State.CLOSED else ""
             raise SessionClosed(
                 f"{op}{where}: the session is {self._state.value}; issue collectives inside "
                 "`with DistSession() as s:` (or `async with`)"
             )
-        fault = comm.health.fault
-        if fault is not None:
-            comm.health.fault_seen = True
-            raise SessionBroken(
-                f"{op} on rank {comm.rank}: the session is broken by an earlier failure "
-                f"({type(fault).__name__}); leave it and start a new one (or let torchrun "
-                "restart the job)"
-            ) from fault
-        return comm
+        return self._lane.check(op)
 
     # -- groups -----------------------------------------------------------------
 
-    def _split_lane(self, group_size: int) -> Comm:
+    def _split_lane(self, group_size: int) -> Lane:
         name = "split"
         if isinstance(group_size, bool) or not isinstance(group_size, int):
             raise TypeError(f"{name}: group_size must be an int, not {type(group_size).__name__}")
@@ -524,7 +489,7 @@ class DistSession(Collectives):
                 f"{name}: group_size={group_size} does not divide the world size "
                 f"{self.world_size} into whole groups"
             )
-        return self._lane(name)
+        return self._usable(name)
 
     def split(self, group_size: int) -> DistSession:
         """A sub-session over this rank's block of ``group_size`` consecutive ranks.
@@ -542,7 +507,7 @@ class DistSession(Collectives):
             CollectiveError: a peer did not join in time.
         """
         comm = self._split_lane(group_size)
-        return DistSession._over(self, comm.split(group_size))
+        return DistSession._sub_session(self, comm.split(group_size))
 
     async def split_async(self, group_size: int) -> DistSession:
         """[split][asyncdist.DistSession.split] for async code: the groups form
@@ -574,7 +539,7 @@ class DistSession(Collectives):
             CollectiveError: a peer did not join in time.
         """
         _check_channel_name(name)
-        self._lane("channel")
+        self._usable("channel")
         channel = self._channels.get(name)
         if channel is not None:
             return channel
@@ -582,10 +547,10 @@ class DistSession(Collectives):
         # same name must get the first's channel, not form its groups again
         # (its peers form them once, so the ranks' groups would no longer pair).
         with self._forming_lock:
-            comm = self._lane("channel")
+            comm = self._usable("channel")
             channel = self._channels.get(name)
             if channel is None:
-                channel = self._channels[name] = Channel(self, name, comm.channel(name))
+                channel = self._channels[name] = Channel(name, comm.channel(name))
         return channel
 
     async def channel_async(self, name: str) -> Channel:
@@ -597,7 +562,7 @@ class DistSession(Collectives):
         """
         _check_channel_name(name)
         while True:
-            self._lane("channel")
+            self._usable("channel")
             channel = self._channels.get(name)
             if channel is not None:
                 return channel
@@ -676,7 +641,7 @@ class DistSession(Collectives):
             AsyncDistError: a live GradientSync already covers one of the
                 module's parameters, or the optimizer.
         """
-        self._lane("gradient_sync")
+        self._usable("gradient_sync")
         options = Options.checked(
             module,
             bucket_mb=bucket_mb,
@@ -704,10 +669,10 @@ class DistSession(Collectives):
         (one process per rank); if the block raises, each rank writes its own
         ``path`` with ``.rank<r>`` inserted.
         """
-        comm = self._lane("trace")
+        comm = self._usable("trace")
         return TraceBlock(path, comm, lambda events: self.all_gather_object(events, allowed=[]))
 
     def span(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Mark a block of compute (forward, backward...) in the trace, if tracing."""
-        tracer = None if self._comm is None else self._comm.tracer
+        tracer = None if self._lane is None else self._lane.tracer
         return contextlib.nullcontext() if tracer is None else tracer.span(name)

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from ._handle import Handle
+from ._op import Op
 from ._progress import Recorder
 
 TRACKS = {"collectives": 1, "compute": 2}
@@ -40,16 +41,16 @@ class Tracer:
         with self._lock:
             self.events.append(event)
 
-    def record(self, handle: Handle[Any], nbytes: int) -> None:
-        """Trace ``handle`` from now until it completes."""
+    def record(self, op: Op, nbytes: int) -> None:
+        """Trace ``op`` from now until it completes."""
         start = _now_us()
-        rank, op = self.rank, handle.op
+        rank, name = self.rank, op.name
 
         def completed() -> None:
-            error = handle._completion.error()
+            error = op.error()
             self._add(
                 {
-                    "name": op,
+                    "name": name,
                     "ph": "X",
                     "ts": start,
                     "dur": _now_us() - start,
@@ -59,8 +60,7 @@ class Tracer:
                 }
             )
 
-        handle._hook()  # settle at the real completion time, not when observed
-        handle._completion.add_callback(completed)
+        op.on_done(completed)  # at the real completion time, not when observed
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:

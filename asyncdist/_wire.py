@@ -91,7 +91,7 @@ class Spec(Generic[T]):
     """One collective to issue, as data.
 
     ``inputs``/``outputs`` are the tensors as they travel (wire views);
-    ``shown`` the tensors as the caller passed them, described in debug
+    ``described`` the tensors as the caller passed them, described in debug
     fingerprints and counted in traces (default: ``inputs``). ``root`` is
     the group rank of the source, destination or peer. ``finish()`` gives
     the handle's result once the work completed; for object calls it takes
@@ -106,7 +106,7 @@ class Spec(Generic[T]):
     reduce: _ops.Reduction | None = None
     root: int | None = None
     payload: bytes = b""
-    shown: Sequence[torch.Tensor] | None = None
+    described: Sequence[torch.Tensor] | None = None
     pairwise: bool = False
 
 

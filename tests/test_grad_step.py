@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncdist import AsyncDistError, DistSession, spawn
+from asyncdist._collectives import lane_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,8 +185,9 @@ def test_bad_arguments_raise_before_anything_is_launched() -> None:
         for error, match, kwargs, module in cases:
             with pytest.raises(error, match=match):
                 s.gradient_sync(module, **kwargs)
-        assert s._comm is not None
-        assert s._comm._children == [], "a channel was formed"
+        lane = lane_of(s)
+        assert lane is not None
+        assert list(lane.sublanes) == [], "a channel was formed"
 
 
 def _compressed_vs_ddp(s: DistSession, compression: str) -> dict[str, Any]:

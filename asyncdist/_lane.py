@@ -1,20 +1,20 @@
 """The lane: one ordered stream of collectives over one process group.
 
-A ``Comm`` is one ordered lane over one process group. It owns what
+A ``Lane`` is one ordered stream of collectives over one process group. It owns what
 the lane needs to run: the group and its side groups (object traffic, debug
 fingerprints), the health shared with every handle, the outstanding
 handles, the completer threads for works gloo gives no future, the
-watchdog, sub-lanes formed by ``Comm.split``, and the order in which all
+watchdog, sub-lanes formed by ``Lane.split``, and the order in which all
 of that is torn down.
 
 Collectives reach it as a ``_wire.Spec``: a small declarative description of
 what to issue (which call, which tensors, reduce op, root) and how to finish
 (the step that turns the completed work into the handle's result). One
-``Comm.launch`` issues every spec the same way, through ``_wire`` (the only
+``Lane.launch`` issues every spec the same way, through ``_wire`` (the only
 module that calls torch collectives), so tracing and debug verification
 cover every op alike.
 
-``Comm.close`` tears the lane down in the order gloo needs, which the
+``Lane.close`` tears the lane down in the order gloo needs, which the
 ``_groups`` module docstring explains: sub-lanes, then the completer and (for
 the root) the tree's watchdog, joined, then the groups, on the closing
 thread, and only then the outstanding handles let go of their works.
@@ -33,19 +33,20 @@ import torch
 from . import _groups, _ops, _wire
 from ._debug import Fingerprint, Verifier
 from ._groups import Ownership
-from ._handle import Handle
+from ._handle import Handle, handle_of
+from ._op import Op
 from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
 from ._wire import Route, Spec, device_type
-from .errors import CollectiveMismatch, Leaving, translate
+from .errors import CollectiveMismatch, Leaving, SessionBroken, SessionClosed, translate
 
 logger = logging.getLogger("asyncdist")
 
 T = TypeVar("T")
 
 
-class Comm:
+class Lane:
     """One lane over one process group: launches specs, tracks their handles,
     and tears everything down in the order gloo needs.
 
@@ -64,7 +65,7 @@ class Comm:
         world_size: int,
         owns: Ownership,
         label: str = "the session",
-        parent: Comm | None = None,
+        parent: Lane | None = None,
         notices: LeaveNotices | None = None,
     ) -> None:
         self.group = group
@@ -88,9 +89,9 @@ class Comm:
         self.health = tree.health
         self._owns = owns
         self._parent = parent
-        self._children: list[Comm] = []
+        self._children: list[Lane] = []
         self._side: dict[str, Any] = {}
-        self._outstanding: collections.deque[Handle[Any]] = collections.deque()
+        self._outstanding: collections.deque[Op] = collections.deque()
         self._verifier = Verifier(rank) if tree.debug else None
         self._closed = False
         self._issuer: IssuerKey | None = None  # who issued last
@@ -115,7 +116,7 @@ class Comm:
         debug: bool = False,
         loopback: bool = False,
         cpu_route: bool = False,
-    ) -> Comm:
+    ) -> Lane:
         """The root lane of a new session tree, with the tree's shared record
         (and its watchdog thread)."""
         tree = Tree.start(
@@ -160,7 +161,7 @@ class Comm:
             self.global_ranks, kinds, timeout=self.timeout, loopback=self.loopback
         )
 
-    def split(self, group_size: int) -> Comm:
+    def split(self, group_size: int) -> Lane:
         """A lane over this rank's block of ``group_size`` consecutive ranks,
         sharing this lane's health (a fault anywhere breaks the whole job).
 
@@ -190,7 +191,7 @@ class Comm:
         self._splits += 1
         return self._child(own, self.rank % group_size, group_size, "split", label, notices)
 
-    def channel(self, name: str) -> Comm:
+    def channel(self, name: str) -> Lane:
         """A lane over the same ranks with groups of its own (its collectives
         never pair with this lane's), sharing this lane's health.
 
@@ -222,8 +223,8 @@ class Comm:
         op: str,
         label: str,
         notices: LeaveNotices | None = None,
-    ) -> Comm:
-        child = Comm(
+    ) -> Lane:
+        child = Lane(
             group,
             self.tree,
             rank=rank,
@@ -322,8 +323,8 @@ class Comm:
         outstanding = self._outstanding
         while outstanding and outstanding[0].done():
             retired = outstanding.popleft()
-            if not retired._streamed:  # no stream to order: the result needs no work
-                retired._release(None)  # (close() releases the others)
+            if not retired.streamed:  # no stream to order: the result needs no work
+                retired.release(None)  # (close() releases the others)
         issuer = issuer_key()
         if issuer != self._issuer:
             self._switch_issuer(issuer, spec.op)
@@ -337,19 +338,17 @@ class Comm:
                 return spec.finish(box[0])
 
         self._issued += 1
-        handle: Handle[T] = Handle._create(
-            spec.op, self.health, finish, self._notices, self._issued
-        )
+        op = Op(spec.op, self.health, finish, self._notices, self._issued)
         if self._verifier is None:
-            self._issue(handle, spec, received, route)
+            self._issue(op, spec, received, route)
         else:
-            self._issue_verified(handle, spec, received, route)
-        outstanding.append(handle)
+            self._issue_verified(op, spec, received, route)
+        outstanding.append(op)
         tracer = self.tree.tracer
         if tracer is not None:
-            shown = spec.inputs if spec.shown is None else spec.shown
-            tracer.record(handle, _ops.nbytes(shown) + len(spec.payload))
-        return handle
+            described = spec.inputs if spec.described is None else spec.described
+            tracer.record(op, _ops.nbytes(described) + len(spec.payload))
+        return handle_of(op)
 
     def _switch_issuer(self, issuer: IssuerKey, op: str) -> None:
         """Another task or thread issues on this lane: fine once the lane is
@@ -372,7 +371,7 @@ class Comm:
 
     def _issue(
         self,
-        handle: Handle[Any],
+        op: Op,
         spec: Spec[Any],
         received: list[Any] | None,
         route: Route | None,
@@ -389,7 +388,7 @@ class Comm:
             def run() -> None:
                 received.append(_wire.exchange(group, spec, world, rank))
 
-            self._completer.submit("objects", lambda: handle._settle(run))
+            self._completer.submit("objects", lambda: op.settle(run))
             return
         assert route is not None
         try:
@@ -401,18 +400,18 @@ class Comm:
                 op=spec.op,
                 rank=self.rank,
                 timeout=self.timeout,
-                left=handle._left(),
+                left=op.departure_reader(),
                 debug=self.debug,
             ) from exc
         key = _wire.futureless(spec) if route.backend == "gloo" else None
         if key is not None:
-            self._completer.submit(f"{route.device.type}:{key}", lambda: handle._settle(work.wait))
+            self._completer.submit(f"{route.device.type}:{key}", lambda: op.settle(work.wait))
         else:
-            handle._attach(work, streamed=route.backend == "nccl", hook=deferred)
+            op.attach(work, streamed=route.backend == "nccl", hook=deferred)
 
     def _issue_verified(
         self,
-        handle: Handle[Any],
+        op: Op,
         spec: Spec[Any],
         received: list[Any] | None,
         route: Route | None,
@@ -429,7 +428,7 @@ class Comm:
         if spec.call not in _wire.POINT_TO_POINT:  # two ranks only: nothing to compare
             fingerprint = self._verifier.fingerprint(
                 spec.op,
-                spec.inputs if spec.shown is None else spec.shown,
+                spec.inputs if spec.described is None else spec.described,
                 reduce="" if spec.reduce is None else spec.reduce.name,
                 root=spec.root,
                 pairwise=spec.pairwise,
@@ -440,12 +439,12 @@ class Comm:
         def agree_then_issue() -> None:
             try:
                 if fingerprint is not None:
-                    self._agree(spec.op, fingerprint, handle)
+                    self._agree(spec.op, fingerprint, op)
                 # on the debug thread, in the caller's grad/inference mode
-                handle._as_caller(lambda: self._issue(handle, spec, received, route, deferred=True))
+                op.as_caller(lambda: self._issue(op, spec, received, route, deferred=True))
             except BaseException as exc:  # noqa: BLE001 - it reaches the caller or the handle
                 refused.append(exc)
-                handle._fail(exc)
+                op.fail(exc)
             finally:
                 agreed.set()
 
@@ -453,24 +452,24 @@ class Comm:
         if not in_async_context():
             agreed.wait()
             if refused:
-                handle._observed = True
+                op.observed = True
                 raise refused[0]
 
-    def _agree(self, op: str, fingerprint: Fingerprint, handle: Handle[Any]) -> None:
+    def _agree(self, name: str, fingerprint: Fingerprint, op: Op) -> None:
         assert self._verifier is not None
         try:
             exchanged = _wire.exchange_fingerprints(
                 self._side["debug"], fingerprint.encode(), self.world_size
             )
         except RuntimeError as exc:
-            raise self.health.fail(exc, op=op, left=handle._left()) from exc
+            raise self.health.fail(exc, op=name, left=op.departure_reader()) from exc
         prints = [Fingerprint.decode(data) for data in exchanged]
-        self._verifier.check(op, prints)
+        self._verifier.check(name, prints)
 
     # -- leaving -------------------------------------------------------------------
 
-    def drain(self) -> list[Handle[Any]]:
-        """The handles still outstanding here and in sub-lanes, in issue order
+    def drain(self) -> list[Op]:
+        """The ops still outstanding here and in sub-lanes, in issue order
         (none once broken: outstanding work failed already or is lost; the
         backend timeout bounds it, and destroying the group waits for it)."""
         if self.health.fault is not None:
@@ -483,6 +482,33 @@ class Comm:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def sublanes(self) -> tuple[Lane, ...]:
+        """The lanes formed inside this one (channels, splits) and still open."""
+        return tuple(self._children)
+
+    def check(self, op: str) -> Lane:
+        """This lane, if ``op`` may be issued on it now.
+
+        Raises:
+            SessionClosed: the lane was closed (its session was left).
+            SessionBroken: a fault broke the session tree; marks it seen.
+        """
+        if self._closed:
+            raise SessionClosed(
+                f"{op} on rank {self.rank}: the session is closed; issue collectives inside "
+                "`with DistSession() as s:` (or `async with`)"
+            )
+        fault = self.health.fault
+        if fault is not None:
+            self.health.fault_seen = True
+            raise SessionBroken(
+                f"{op} on rank {self.rank}: the session is broken by an earlier failure "
+                f"({type(fault).__name__}); leave it and start a new one (or let torchrun "
+                "restart the job)"
+            ) from fault
+        return self
 
     def leave(self, how: Leaving) -> None:
         """Tell the peers that this rank leaves this lane (and the lanes inside
@@ -513,8 +539,8 @@ class Comm:
         _groups.destroy(self._owns, self.group, side)
         # Once the groups are gone, handles the program (or a fault's traceback)
         # still holds let go of their works, which keep gloo's transport alive.
-        for handle in handles:
-            handle._release(self.health.fault)
+        for op in handles:
+            op.release(self.health.fault)
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
         if self._parent is None and self._notices is not None:
