@@ -742,18 +742,18 @@ class _RankLogger(logging.LoggerAdapter[logging.Logger]):
 
     def __init__(self, logger: logging.Logger, lane: Collectives, *, main_only: bool) -> None:
         super().__init__(logger, {})
-        self._lane_ = lane
+        self._collectives = lane
         self._main_only = main_only
 
     def isEnabledFor(self, level: int) -> bool:
-        if self._main_only and self._lane_.rank != 0:
+        if self._main_only and self._collectives.rank != 0:
             return False
         return self.logger.isEnabledFor(level)
 
     def process(
         self, msg: Any, kwargs: MutableMapping[str, Any]
     ) -> tuple[Any, MutableMapping[str, Any]]:
-        kwargs["extra"] = {"rank": self._lane_.rank, **(kwargs.get("extra") or {})}
+        kwargs["extra"] = {"rank": self._collectives.rank, **(kwargs.get("extra") or {})}
         return msg, kwargs
 
 

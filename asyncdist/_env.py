@@ -11,7 +11,9 @@ gloo groups of a loopback-only world, is ``_groups.gloo_on_loopback``).
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
+import math
 import os
 import re
 import socket
@@ -306,3 +308,27 @@ def bind_loopback(host: str = LOOPBACK, port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+DEFAULT_TIMEOUT = 1800.0  # torch's own default for gloo and NCCL groups
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
+    """``timeout`` (seconds or a ``timedelta``; ``None``: torch's default) in seconds.
+
+    Raises:
+        TypeError, ValueError: not a positive, finite duration.
+    """
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be seconds (a number) or a timedelta, not {type(timeout).__name__}"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return seconds

@@ -1,11 +1,15 @@
-"""The lane: one ordered stream of collectives over one process group.
+"""Lane: one ordered stream of collectives over one process group.
 
-A ``Lane`` is one ordered stream of collectives over one process group. It owns what
-the lane needs to run: the group and its side groups (object traffic, debug
-fingerprints), the health shared with every handle, the outstanding
-handles, the completer threads for works gloo gives no future, the
-watchdog, sub-lanes formed by ``Lane.split``, and the order in which all
-of that is torn down.
+Collectives pair up across ranks by issue order *per lane*. A session's
+root lane, each channel's and each split's are lanes, and "lane" means that
+and nothing else in asyncdist. A ``Lane`` holds what the stream needs: its
+group and side groups (object traffic, debug fingerprints; formed in
+``_groups``), its routes by device type, the issuer guard (two tasks issuing
+at once on one lane are refused before launch), its outstanding operations
+(``_op.Op``), its lazy completer threads, its sub-lanes, its leave notices,
+and the session tree's shared record (``_progress.Tree``: health, the one
+watchdog, the tracer, timeout, debug). ``Lane.check`` decides whether the
+lane is usable (closed, or broken by a fault anywhere in the tree).
 
 Collectives reach it as a ``_wire.Spec``: a small declarative description of
 what to issue (which call, which tensors, reduce op, root) and how to finish
@@ -14,10 +18,11 @@ what to issue (which call, which tensors, reduce op, root) and how to finish
 module that calls torch collectives), so tracing and debug verification
 cover every op alike.
 
-``Lane.close`` tears the lane down in the order gloo needs, which the
-``_groups`` module docstring explains: sub-lanes, then the completer and (for
-the root) the tree's watchdog, joined, then the groups, on the closing
-thread, and only then the outstanding handles let go of their works.
+``Lane.leave`` tells the peers this rank leaves on purpose; ``Lane.close``
+tears the lane down in the order gloo needs, which the ``_groups`` module
+docstring explains: sub-lanes, then the completer and (for the root) the
+tree's watchdog, joined, then the groups, on the closing thread, and only
+then the outstanding operations let go of their works.
 """
 
 from __future__ import annotations
@@ -47,13 +52,11 @@ T = TypeVar("T")
 
 
 class Lane:
-    """One lane over one process group: launches specs, tracks their handles,
-    and tears everything down in the order gloo needs.
+    """One lane over one process group: launches specs, tracks their
+    operations, and tears everything down in the order gloo needs.
 
-    ``owns``: ``"world"`` (this lane initialised the default group and
-    destroys it, side groups included), ``"group"`` (a sub-group it destroys
-    with its side groups), ``"adopted"`` (someone else's default group: only
-    the side groups are destroyed).
+    ``owns``: how the lane holds its group (``_groups.Ownership``).
+    Made by ``Lane.root`` (a new session tree) or by ``split``/``channel``.
     """
 
     def __init__(

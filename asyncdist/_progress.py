@@ -19,25 +19,32 @@ Threads, and who owns them:
 * ``Completer``: one per lane, lazy: a daemon thread per ordering key,
   started by the first job of that key (gloo works without a future,
   object exchanges, debug agreement). An idle lane has none.
+
+Leaving a session: ``leaving_how`` names how its block ended (for the notice
+peers read), ``quiet_interrupt`` hides a raw backend error under a Ctrl-C,
+and ``Health.report`` surfaces failures nobody waited on.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .errors import AsyncDistError, Departure, FinishError, translate
+from .errors import AsyncDistError, Departure, FinishError, Leaving, translate
 
 if TYPE_CHECKING:
     from ._store import LeaveNotices
+
+logger = logging.getLogger("asyncdist")
 
 # Seconds the watchdog allows past the session timeout before it declares a
 # collective lost; the backend's timeout normally fires first.
@@ -92,6 +99,28 @@ class Health:
         self.record_fault(error)
         self.mark_seen(error)
         return error
+
+    def report(self, unseen: Iterable[BaseException | None], *, raise_errors: bool) -> None:
+        """Surface failures of outstanding collectives nobody waited on (a
+        session's exit): nothing is lost.
+
+        A fault is raised when the block exited normally; otherwise (or for
+        local errors, like a refused unpickle or a FinishError) it is logged.
+        So is the fault that broke the session, if no error of it ever
+        reached the user (the watchdog found it on a handle nobody waited on).
+        """
+        faults = [error for error in unseen if error is not None]
+        if self.fault is not None and not self.fault_seen and self.fault not in faults:
+            faults.insert(0, self.fault)
+        for error in faults:
+            logger.warning("rank %d: unobserved failure at session exit: %s", self.rank, error)
+        fault = next(
+            (e for e in faults if isinstance(e, AsyncDistError) and not isinstance(e, FinishError)),
+            None,
+        )
+        if fault is not None and raise_errors:
+            self.fault_seen = True  # once, not again at a parent session's exit
+            raise fault
 
 
 class Completer:
@@ -277,3 +306,42 @@ class Tree:
     def close(self) -> None:
         """Stop the tree's watchdog (the root lane, closing, calls it)."""
         self.watchdog.close()
+
+
+# -- leaving a session -----------------------------------------------------------
+
+
+def leaving_how(exc: BaseException | None, cancelled: type[BaseException] | None = None) -> Leaving:
+    """How a block ended, for the notice its peers read: an interrupt
+    (Ctrl-C) is not a rank's failure, so it is told apart from an exception."""
+    if exc is None:
+        return "finished"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if cancelled is not None and isinstance(exc, cancelled):
+        return "cancelled"
+    return "raised"
+
+
+def quiet_interrupt(exc: BaseException | None) -> None:
+    """Hide a raw backend error that a ``KeyboardInterrupt`` leaving the
+    session happened to interrupt the handling of.
+
+    With every rank interrupted, a rank waiting in a collective often sees
+    its peer leave first: gloo's "Connection closed by peer" is raised, and
+    the interrupt lands while asyncdist handles it, so Python would print
+    the raw error above the ``KeyboardInterrupt``. The peer's departure is
+    reported, translated, when the session is left; the raw text is noise.
+    """
+    if not isinstance(exc, KeyboardInterrupt):
+        return
+    context = exc.__context__
+    if not isinstance(context, RuntimeError) or isinstance(context, AsyncDistError):
+        return
+    tb = context.__traceback__
+    package = __name__.partition(".")[0]
+    while tb is not None:  # raised into asyncdist's code, never seen by the program
+        if tb.tb_frame.f_globals.get("__name__", "").startswith(f"{package}."):
+            exc.__suppress_context__ = True
+            return
+        tb = tb.tb_next

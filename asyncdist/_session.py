@@ -14,20 +14,18 @@ import datetime
 import enum
 import functools
 import logging
-import math
 import os
-import threading
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import torch
 import torch.distributed as dist
 
 from . import _groups, _ops
-from ._channel import Channel
+from ._channel import Channel, Channels, check_channel_name
 from ._collectives import Collectives
 from ._env import (
     MIXED,
@@ -36,23 +34,21 @@ from ._env import (
     detect,
     is_loopback,
     launcher_local_rank,
+    timeout_seconds,
 )
-from ._grad import GradientSync, Options
+from ._grad import GradientSync, Options, detach
 from ._lane import Lane
 from ._op import Op
+from ._progress import leaving_how, quiet_interrupt
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
-    FinishError,
     InitError,
     Leaving,
     SessionClosed,
 )
 
 logger = logging.getLogger("asyncdist")
-
-
-DEFAULT_TIMEOUT = 1800.0  # torch's own default for gloo and NCCL groups
 
 
 class State(enum.Enum):
@@ -64,65 +60,7 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-def _seconds(timeout: float | datetime.timedelta | None) -> float:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"timeout must be seconds (a number) or a timedelta, not {type(timeout).__name__}"
-        )
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return seconds
-
-
-def _leaving(exc: BaseException | None, cancelled: type[BaseException] | None = None) -> Leaving:
-    """How a block ended, for the notice its peers read: an interrupt
-    (Ctrl-C) is not a rank's failure, so it is told apart from an exception."""
-    if exc is None:
-        return "finished"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    if cancelled is not None and isinstance(exc, cancelled):
-        return "cancelled"
-    return "raised"
-
-
-def _quiet_interrupt(exc: BaseException | None) -> None:
-    """Hide a raw backend error that a ``KeyboardInterrupt`` leaving the
-    session happened to interrupt the handling of.
-
-    With every rank interrupted, a rank waiting in a collective often sees
-    its peer leave first: gloo's "Connection closed by peer" is raised, and
-    the interrupt lands while asyncdist handles it, so Python would print
-    the raw error above the ``KeyboardInterrupt``. The peer's departure is
-    reported, translated, when the session is left; the raw text is noise.
-    """
-    if not isinstance(exc, KeyboardInterrupt):
-        return
-    context = exc.__context__
-    if not isinstance(context, RuntimeError) or isinstance(context, AsyncDistError):
-        return
-    tb = context.__traceback__
-    while tb is not None:  # raised into asyncdist's code, never seen by the program
-        if tb.tb_frame.f_globals.get("__name__", "").startswith(f"{__package__}."):
-            exc.__suppress_context__ = True
-            return
-        tb = tb.tb_next
-
-
 GRADIENTS = "gradients"  # the channel gradient_sync uses by default
-
-
-def _check_channel_name(name: Any) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"channel: name must be a string, not {type(name).__name__}")
-    if not name:
-        raise ValueError("channel: name must not be empty")
 
 
 class DistSession(Collectives):
@@ -178,12 +116,12 @@ class DistSession(Collectives):
     ) -> None:
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:
-            _check_channel_name(name)
+            check_channel_name(name)
         self._requested_backend = backend
         self._init_method = init_method
         self._requested_rank, self._requested_world = rank, world_size
         self._requested_master = (master_addr, master_port)
-        self._timeout = _seconds(timeout)
+        self._timeout = timeout_seconds(timeout)
         self._requested_device = device
         self._debug = debug or os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
         self._trace_path: str | os.PathLike[str] | None = (
@@ -195,10 +133,7 @@ class DistSession(Collectives):
         self._owned_store: dist.Store | None = None
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
-        self._channels: dict[str, Channel] = {}
-        # channel names being formed by channel_async, and the lock every forming holds
-        self._forming: dict[str, anyio.Event] = {}
-        self._forming_lock = threading.Lock()
+        self._channels = Channels()
         # the GradientSyncs made here: their hooks come off when the session ends
         self._syncs: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 
@@ -263,8 +198,8 @@ class DistSession(Collectives):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _quiet_interrupt(exc)
-        self._close(_leaving(exc))
+        quiet_interrupt(exc)
+        self._close(leaving_how(exc))
 
     async def __aenter__(self) -> DistSession:
         # Forming the group waits for peers: keep that off the event loop.
@@ -285,8 +220,8 @@ class DistSession(Collectives):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _quiet_interrupt(exc)
-        how = _leaving(exc, anyio.get_cancelled_exc_class())
+        quiet_interrupt(exc)
+        how = leaving_how(exc, anyio.get_cancelled_exc_class())
         # Shielded: a cancellation must not leave the group half torn down.
         with anyio.CancelScope(shield=True):
             unseen = [await op.join_async() for op in self._drain()]
@@ -402,21 +337,8 @@ class DistSession(Collectives):
         that broke the session, if no error of it ever reached the user (the
         watchdog found it on a handle nobody waited on).
         """
-        if self._lane is None:
-            return
-        faults = [error for error in unseen if error is not None]
-        health = self._lane.health
-        if health.fault is not None and not health.fault_seen and health.fault not in faults:
-            faults.insert(0, health.fault)
-        for error in faults:
-            logger.warning("rank %d: unobserved failure at session exit: %s", self.rank, error)
-        fault = next(
-            (e for e in faults if isinstance(e, AsyncDistError) and not isinstance(e, FinishError)),
-            None,
-        )
-        if fault is not None and raise_errors:
-            health.fault_seen = True  # once, not again at a parent session's exit
-            raise fault
+        if self._lane is not None:
+            self._lane.health.report(unseen, raise_errors=raise_errors)
 
     def _teardown(self, *, left: Leaving | None = None) -> None:
         """Release everything. ``left``: how the block ended (normally, by an
@@ -424,17 +346,7 @@ class DistSession(Collectives):
         rank left on purpose, once for the lanes inside this one too."""
         if self._state is not State.OPEN:
             return
-        for sync in list(self._syncs):
-            if sync.pending and left == "finished":  # (else the exception is the news)
-                logger.warning(
-                    "rank %d: %r ends with the session mid-step: its last backward was "
-                    "never followed by `await sync` / `sync.wait()`, so those gradients were "
-                    "not averaged",
-                    self.rank,
-                    sync,
-                )
-            sync.remove()  # backward after the session is plain local autograd
-        self._syncs.clear()
+        detach(self._syncs, rank=self.rank, warn=left == "finished")
         if left is not None and self._lane is not None:
             self._lane.leave(left)
         for child in list(self._children):
@@ -538,20 +450,9 @@ class DistSession(Collectives):
             SessionClosed, SessionBroken: the session is not usable.
             CollectiveError: a peer did not join in time.
         """
-        _check_channel_name(name)
+        check_channel_name(name)
         self._usable("channel")
-        channel = self._channels.get(name)
-        if channel is not None:
-            return channel
-        # One forming at a time, whichever thread asks: a second caller with the
-        # same name must get the first's channel, not form its groups again
-        # (its peers form them once, so the ranks' groups would no longer pair).
-        with self._forming_lock:
-            comm = self._usable("channel")
-            channel = self._channels.get(name)
-            if channel is None:
-                channel = self._channels[name] = Channel(name, comm.channel(name))
-        return channel
+        return self._channels.form(name, lambda: self._usable("channel"))
 
     async def channel_async(self, name: str) -> Channel:
         """[channel][asyncdist.DistSession.channel] for async code: a new
@@ -560,22 +461,8 @@ class DistSession(Collectives):
         Tasks that ask for the same new name at once get the one channel:
         the first forms it, the others await that forming.
         """
-        _check_channel_name(name)
-        while True:
-            self._usable("channel")
-            channel = self._channels.get(name)
-            if channel is not None:
-                return channel
-            forming = self._forming.get(name)
-            if forming is None:
-                break
-            await forming.wait()  # then look again: it failed if the session broke
-        self._forming[name] = done = anyio.Event()
-        try:
-            return await anyio.to_thread.run_sync(self.channel, name)
-        finally:
-            del self._forming[name]
-            done.set()
+        check_channel_name(name)
+        return await self._channels.form_async(name, lambda: self._usable("channel"), self.channel)
 
     # -- training ---------------------------------------------------------------------
 

@@ -140,25 +140,25 @@ class TraceBlock:
     nothing is exchanged (a peer may be gone).
     """
 
-    __slots__ = ("_gather", "_lane", "_path", "_started", "_tracer")
+    __slots__ = ("_gather", "_path", "_started", "_traced", "_tracer")
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        lane: Traced,
+        traced: Traced,
         gather: Callable[[list[dict[str, Any]]], Handle[list[Any]]],
     ) -> None:
         self._path = path
-        self._lane = lane
+        self._traced = traced
         self._gather = gather
         self._started = False
         self._tracer: Recorder | None = None
 
     def __enter__(self) -> None:
-        tracer = self._lane.tracer
+        tracer = self._traced.tracer
         self._started = tracer is None
         if tracer is None:
-            tracer = self._lane.tracer = Tracer(self._lane.rank)
+            tracer = self._traced.tracer = Tracer(self._traced.rank)
         self._tracer = tracer
 
     async def __aenter__(self) -> None:
@@ -166,18 +166,18 @@ class TraceBlock:
 
     def _leave(self, failed: bool) -> Handle[list[Any]] | None:
         """Stop tracing; the gather to wait for, on a normal exit."""
-        lane, tracer = self._lane, self._tracer
+        traced, tracer = self._traced, self._tracer
         assert tracer is not None
         if self._started:
-            lane.tracer = None
+            traced.tracer = None
         if failed:
-            events = rank_events(lane.rank, lane.world_size, tracer.snapshot())
-            write(rank_path(self._path, lane.rank), events)
+            events = rank_events(traced.rank, traced.world_size, tracer.snapshot())
+            write(rank_path(self._path, traced.rank), events)
             return None
         return self._gather(tracer.snapshot())
 
     def _write(self, events: list[list[dict[str, Any]]]) -> None:
-        if self._lane.rank == 0:
+        if self._traced.rank == 0:
             write(self._path, events)
 
     def __exit__(

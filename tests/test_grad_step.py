@@ -15,6 +15,7 @@ import torch
 
 from asyncdist import AsyncDistError, DistSession, spawn
 from asyncdist._collectives import lane_of
+from asyncdist._grad import buckets_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -224,8 +225,8 @@ def _compressed_vs_ddp(s: DistSession, compression: str) -> dict[str, Any]:
         return max(float((a - b).abs().max()) for a, b in pairs)
 
     return {
-        "dtypes": [b.buffer.dtype for b in sync._buckets],
-        "wire": [None if b.wire is None else b.wire.dtype for b in sync._buckets],
+        "dtypes": [b.buffer.dtype for b in buckets_of(sync)],
+        "wire": [None if b.wire is None else b.wire.dtype for b in buckets_of(sync)],
         "vs_ddp": gap("ddp"),
         "vs_full": gap("full"),
         "scale": max(float(g.abs().max()) for g in grads["full"]),
