@@ -18,35 +18,74 @@ from typing import Any, TextIO, TypeVar
 import torch
 
 from . import _mainrank, _ops, _pickle, _tree
-from ._comm import Comm, Spec
 from ._debug import describe
 from ._handle import Handle, combined
+from ._lane import Lane
 from ._mainrank import MainFirst
+from ._wire import Spec
+from .errors import SessionClosed
 
 T = TypeVar("T")
 
 
 class Collectives:
-    """Every collective, issued at once on this object's lane.
+    """Every collective, issued at once on this object's lane (``_lane``),
+    and the properties every lane has.
 
-    Subclasses provide ``_lane``, which checks that the lane is usable.
+    The lane decides whether it is usable (``Lane.check``); a session not
+    yet entered has no lane (``_usable`` then says so).
     """
 
-    __slots__ = ()
+    __slots__ = ("_lane",)
 
-    def _lane(self, op: str) -> Comm:
+    _lane: Lane | None
+
+    def _usable(self, op: str) -> Lane:
         """The lane to issue ``op`` on.
 
         Raises:
             SessionClosed, SessionBroken: the lane is not usable.
         """
-        raise NotImplementedError
+        lane = self._lane
+        if lane is None:
+            raise SessionClosed(
+                f"{op}: the session is unopened; issue collectives inside "
+                "`with DistSession() as s:` (or `async with`)"
+            )
+        return lane.check(op)
+
+    # -- what every lane has ----------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank on this lane (a channel's is its session's)."""
+        return 0 if self._lane is None else self._lane.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks on this lane (a channel's is its session's)."""
+        return 1 if self._lane is None else self._lane.world_size
+
+    @property
+    def backend(self) -> str:
+        """``"gloo"`` or ``"nccl"`` (empty before the session is entered)."""
+        return "" if self._lane is None else self._lane.backend
+
+    @property
+    def device(self) -> torch.device:
+        """The device collectives on this lane run on."""
+        return torch.device("cpu") if self._lane is None else self._lane.device
+
+    @property
+    def group(self) -> Any:
+        """This lane's own ``torch.distributed`` process group (``None`` unless open)."""
+        return None if self._lane is None else self._lane.group
 
     # -- argument checks (on the calling rank, before launch) -------------------------
 
     @staticmethod
     def _tensor(
-        comm: Comm, tensor: Any, op: str, what: str = "tensor", *, read_only: bool = False
+        comm: Lane, tensor: Any, op: str, what: str = "tensor", *, read_only: bool = False
     ) -> torch.Tensor:
         route = comm.route(tensor, collective=op, what=what)
         return _ops.check_tensor(
@@ -60,7 +99,7 @@ class Collectives:
 
     @staticmethod
     def _tensors(
-        comm: Comm,
+        comm: Lane,
         tensors: Any,
         op: str,
         what: str,
@@ -82,11 +121,11 @@ class Collectives:
         )
 
     @staticmethod
-    def _rank(comm: Comm, value: Any, op: str, what: str) -> int:
+    def _rank(comm: Lane, value: Any, op: str, what: str) -> int:
         return _ops.check_rank(value, world_size=comm.world_size, collective=op, what=what)
 
     @staticmethod
-    def _reduction(comm: Comm, op: Any, tensor: torch.Tensor, name: str) -> _ops.Reduction:
+    def _reduction(comm: Lane, op: Any, tensor: torch.Tensor, name: str) -> _ops.Reduction:
         backend = comm.route(tensor, collective=name).backend
         return _ops.reduction(op, tensor.dtype, backend=backend, collective=name)
 
@@ -110,7 +149,7 @@ class Collectives:
             SessionClosed, SessionBroken: the session is not usable.
         """
         name = "allreduce"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name)
         reduction = self._reduction(comm, op, tensor, name)
         return comm.launch(
@@ -120,7 +159,7 @@ class Collectives:
                 _ops.averaged(tensor, reduction, comm.world_size),
                 inputs=(_ops.wire(tensor),),
                 reduce=reduction,
-                shown=(tensor,),
+                described=(tensor,),
             )
         )
 
@@ -134,7 +173,7 @@ class Collectives:
             TypeError, ValueError: bad tensor, or ``src`` not a rank of the group.
         """
         name = "broadcast"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name)
         self._rank(comm, src, name, "src")
         return comm.launch(Spec(name, "broadcast", lambda: tensor, inputs=(tensor,), root=src))
@@ -169,7 +208,7 @@ class Collectives:
                 ranks' tensors differ beyond the first dimension.
         """
         name = "all_gather"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name, read_only=True)
         if not isinstance(uneven, bool):
             raise TypeError(f"{name}: uneven must be a bool, not {type(uneven).__name__}")
@@ -184,13 +223,13 @@ class Collectives:
                 lambda: list(out.view(world, *shape).unbind(0)),
                 inputs=(tensor.reshape(-1),),  # a copy only if tensor is strided
                 outputs=(out,),
-                shown=(tensor,),
+                described=(tensor,),
             )
         )
 
     @staticmethod
     def _all_gather_uneven(
-        comm: Comm, tensor: torch.Tensor, name: str
+        comm: Lane, tensor: torch.Tensor, name: str
     ) -> Handle[list[torch.Tensor]]:
         if tensor.dim() == 0:
             raise ValueError(
@@ -216,7 +255,7 @@ class Collectives:
                 finish,
                 inputs=(staged,),
                 # what every rank agrees on (debug mode): dtype and the other dimensions
-                shown=(tensor.narrow(0, 0, 0),),
+                described=(tensor.narrow(0, 0, 0),),
             )
         )
 
@@ -237,7 +276,7 @@ class Collectives:
             TypeError, ValueError: bad tensor or op, or a size that does not divide.
         """
         name = "reduce_scatter"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name, read_only=True)
         world = comm.world_size
         if tensor.numel() % world:
@@ -260,7 +299,7 @@ class Collectives:
                 inputs=(_ops.wire(tensor.contiguous()).reshape(-1),),
                 outputs=(_ops.wire(out).reshape(-1),),
                 reduce=reduction,
-                shown=(tensor,),
+                described=(tensor,),
             )
         )
 
@@ -278,7 +317,7 @@ class Collectives:
                 tensors of different shapes or dtypes.
         """
         name = "all_to_all"
-        comm = self._lane(name)
+        comm = self._usable(name)
         chunks = [  # gloo and NCCL read contiguous memory: copy only what is strided
             chunk.contiguous()
             for chunk in self._tensors(comm, inputs, name, "inputs", per_rank=True, read_only=True)
@@ -305,7 +344,7 @@ class Collectives:
             other ranks' tensors may have been used as scratch).
         """
         name = "reduce"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name)
         self._rank(comm, dst, name, "dst")
         reduction = self._reduction(comm, op, tensor, name)
@@ -318,7 +357,7 @@ class Collectives:
                 inputs=(_ops.wire(tensor),),
                 reduce=reduction,
                 root=dst,
-                shown=(tensor,),
+                described=(tensor,),
             )
         )
 
@@ -331,7 +370,7 @@ class Collectives:
             ``None`` on every other rank.
         """
         name = "gather"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name, read_only=True)
         self._rank(comm, dst, name, "dst")
         sent = tensor.contiguous()  # the same tensor unless strided
@@ -347,7 +386,7 @@ class Collectives:
                 inputs=(_ops.wire(sent),),
                 outputs=None if gathered is None else [_ops.wire(g) for g in gathered],
                 root=dst,
-                shown=(tensor,),
+                described=(tensor,),
             )
         )
 
@@ -368,7 +407,7 @@ class Collectives:
             A handle whose result is ``out``.
         """
         name = "scatter"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, out, name, "out")
         self._rank(comm, src, name, "src")
         pieces: list[torch.Tensor] = []
@@ -392,7 +431,7 @@ class Collectives:
                 inputs=pieces,
                 outputs=(out,),
                 root=src,
-                shown=(out,),
+                described=(out,),
             )
         )
 
@@ -407,7 +446,7 @@ class Collectives:
             A handle whose result is ``None`` once the tensor was sent.
         """
         name = "send"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name, read_only=True)
         _ops.check_peer(
             dst, rank=comm.rank, world_size=comm.world_size, collective=name, what="dst"
@@ -415,7 +454,7 @@ class Collectives:
         # gloo refuses a strided tensor to send: copy it (a contiguous one is sent as is)
         sent = tensor.contiguous()
         return comm.launch(
-            Spec(name, "send", lambda: None, inputs=(sent,), root=dst, shown=(tensor,))
+            Spec(name, "send", lambda: None, inputs=(sent,), root=dst, described=(tensor,))
         )
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle[torch.Tensor]:
@@ -425,13 +464,13 @@ class Collectives:
             A handle whose result is ``tensor``, filled.
         """
         name = "recv"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._tensor(comm, tensor, name)
         _ops.check_peer(
             src, rank=comm.rank, world_size=comm.world_size, collective=name, what="src"
         )
         return comm.launch(
-            Spec(name, "recv", lambda: tensor, outputs=(tensor,), root=src, shown=(tensor,))
+            Spec(name, "recv", lambda: tensor, outputs=(tensor,), root=src, described=(tensor,))
         )
 
     def barrier(self) -> Handle[None]:
@@ -441,7 +480,7 @@ class Collectives:
             A handle whose result is ``None``.
         """
         name = "barrier"
-        return self._lane(name).launch(Spec(name, "barrier", lambda: None))
+        return self._usable(name).launch(Spec(name, "barrier", lambda: None))
 
     def allreduce_coalesced(
         self, tensors: Sequence[torch.Tensor], op: _ops.ReduceOpLike = "sum"
@@ -456,7 +495,7 @@ class Collectives:
             A handle whose result is ``tensors`` (the same list), reduced.
         """
         name = "allreduce_coalesced"
-        comm = self._lane(name)
+        comm = self._usable(name)
         items = self._tensors(comm, tensors, name, "tensors")
         _ops.reduction_name(op, collective=name)  # a bad op fails even for an empty list
         parts = self._coalesced(comm, items, op, name)
@@ -464,7 +503,7 @@ class Collectives:
         return combined(name, parts, lambda _: result)
 
     def _coalesced(
-        self, comm: Comm, items: list[torch.Tensor], op: _ops.ReduceOpLike, name: str
+        self, comm: Lane, items: list[torch.Tensor], op: _ops.ReduceOpLike, name: str
     ) -> list[Handle[None]]:
         """Launch one allreduce per dtype of ``items`` (checked), each over a
         flat buffer that is copied back into the tensors on completion."""
@@ -479,7 +518,12 @@ class Collectives:
                 _ops.unpack(averaged(), group)
 
             spec = Spec(
-                name, "allreduce", unpack, inputs=(_ops.wire(flat),), reduce=reduction, shown=group
+                name,
+                "allreduce",
+                unpack,
+                inputs=(_ops.wire(flat),),
+                reduce=reduction,
+                described=group,
             )
             parts.append(comm.launch(spec))
         return parts
@@ -508,7 +552,7 @@ class Collectives:
                 integer tensor, say).
         """
         name = "allreduce_tree"
-        comm = self._lane(name)
+        comm = self._usable(name)
         mean = _ops.reduction_name(op, collective=name) == "mean"
         leaves, rebuild = _tree.flatten(tree, collective=name)
         tensors: list[torch.Tensor] = []
@@ -562,7 +606,7 @@ class Collectives:
     def _broadcast_object(
         self, name: str, obj: Any, src: int, allowed: Iterable[Any] | None
     ) -> Handle[Any]:
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._rank(comm, src, name, "src")
         allow = _pickle.allow_list(allowed)
         mine = comm.rank == src
@@ -587,7 +631,7 @@ class Collectives:
             pickle.UnpicklingError: (from the handle) a refused global.
         """
         name = "all_gather_object"
-        comm = self._lane(name)
+        comm = self._usable(name)
         allow = _pickle.allow_list(allowed)
         payload = _pickle.dumps(obj, op=name)
         me = comm.rank
@@ -616,7 +660,7 @@ class Collectives:
             pickle.UnpicklingError: (from the handle, on ``dst``) a refused global.
         """
         name = "gather_object"
-        comm = self._lane(name)
+        comm = self._usable(name)
         self._rank(comm, dst, name, "dst")
         allow = _pickle.allow_list(allowed)
         payload = _pickle.dumps(obj, op=name)
@@ -630,11 +674,6 @@ class Collectives:
         return comm.launch(Spec(name, "gather_object", finish, root=dst, payload=payload))
 
     # -- the main rank -----------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        """This process's rank on the lane."""
-        raise NotImplementedError
 
     def print(
         self,
@@ -678,4 +717,14 @@ class Collectives:
             SessionClosed, SessionBroken: (on entry) the session is not usable.
             PeerFailure: (on entry, ranks but 0) rank 0's block raised.
         """
-        return MainFirst(self, self._lane, self._broadcast_object)
+        return MainFirst(self, self._usable, self._broadcast_object)
+
+
+def lane_of(target: Collectives) -> Lane | None:
+    """The lane a session or a channel issues on (``None`` before the session
+    is entered).
+
+    A seam for tests and tools, not API: read a lane's routes, give it a
+    routing key, launch a ``Spec`` directly, or look at its sub-lanes.
+    """
+    return target._lane

@@ -5,24 +5,19 @@ Precedence, field by field: explicit arguments > torchrun (``RANK``,
 (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, master from the node
 list) > a single-process world on 127.0.0.1 with a port the OS picks.
 
-Nothing here writes to ``os.environ``, with one exception: while a gloo group
-of a loopback-only world is being created, ``gloo_on_loopback`` sets
-``GLOO_SOCKET_IFNAME`` (torch 2.13 gives gloo no other way to choose its
-interface: ``init_process_group``/``new_group`` ignore ``pg_options`` for
-gloo). That write is process-wide; a module lock serializes every group
-creation that goes through ``gloo_on_loopback``, so no other asyncdist
-group is created while the variable is set.
+Nothing here writes to ``os.environ`` (asyncdist's one scoped write, for
+gloo groups of a loopback-only world, is ``_groups.gloo_on_loopback``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import datetime
 import ipaddress
+import math
 import os
 import re
 import socket
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -315,52 +310,25 @@ def bind_loopback(host: str = LOOPBACK, port: int = 0) -> socket.socket:
     return sock
 
 
-def _loopback_interface() -> str | None:
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), None)
+DEFAULT_TIMEOUT = 1800.0  # torch's own default for gloo and NCCL groups
 
 
-# Held for the whole creation of a gloo group by gloo_on_loopback, whether it
-# writes GLOO_SOCKET_IFNAME or not: a group created elsewhere in asyncdist
-# meanwhile (say, a multi-node session in another thread) would otherwise read
-# the loopback value and bind only to loopback. Reentrant: a creation may nest.
-_GLOO_ENV_LOCK = threading.RLock()
+def timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
+    """``timeout`` (seconds or a ``timedelta``; ``None``: torch's default) in seconds.
 
-_GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
-
-
-@contextlib.contextmanager
-def gloo_on_loopback(active: bool) -> Iterator[None]:
-    """Create gloo groups in this block; while active, they listen on loopback only.
-
-    gloo binds the address the host name resolves to (often a public one)
-    unless ``GLOO_SOCKET_IFNAME`` names an interface, and it reads the
-    variable when a group is created. torch 2.13 offers no per-group way to
-    choose it: ``init_process_group(pg_options=...)`` and
-    ``new_group(pg_options=...)`` drop the options of a gloo backend, and a
-    ``ProcessGroupGloo`` built with its own devices is not a
-    ``torch.distributed`` group.
-
-    Scope of the write: when ``active``, a loopback interface exists and the
-    user has not set ``GLOO_SOCKET_IFNAME`` themselves, the variable is set in
-    ``os.environ`` on entering the block and removed on leaving it (normally or
-    by exception), unless someone else changed it meanwhile. During the
-    block, every thread of the process sees it. A module-level lock is held
-    for the whole block, active or not, so every asyncdist group creation
-    (which all go through this function) waits until the variable is gone,
-    and never reads another creation's value. Code outside asyncdist that
-    creates gloo groups or reads the variable concurrently is not covered.
-    Keep the block to the group creation only: it holds the lock while
-    waiting for peers.
+    Raises:
+        TypeError, ValueError: not a positive, finite duration.
     """
-    with _GLOO_ENV_LOCK:
-        name = _loopback_interface() if active and _GLOO_IFNAME not in os.environ else None
-        if name is None:
-            yield
-            return
-        os.environ[_GLOO_IFNAME] = name
-        try:
-            yield
-        finally:
-            if os.environ.get(_GLOO_IFNAME) == name:
-                del os.environ[_GLOO_IFNAME]
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be seconds (a number) or a timedelta, not {type(timeout).__name__}"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return seconds

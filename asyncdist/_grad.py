@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import logging
 import weakref
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Protocol
@@ -48,11 +49,14 @@ from ._handle import Handle, combined
 from ._wakeup import issuing_as
 from .errors import AsyncDistError
 
+logger = logging.getLogger("asyncdist")
+
 MB = 1 << 20
 
 
-class Lane(Protocol):
-    """What gradient averaging needs of a session (or any lane)."""
+class Carrier(Protocol):
+    """What gradient averaging needs of what carries its buckets: a session or
+    a channel (their collective surface, not a ``_lane.Lane``)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -348,8 +352,8 @@ class GradientSync:
     [remove][asyncdist.GradientSync.remove]) to take them off sooner.
     """
 
-    def __init__(self, session: Lane, module: torch.nn.Module, options: Options) -> None:
-        self._lane = session
+    def __init__(self, session: Carrier, module: torch.nn.Module, options: Options) -> None:
+        self._carrier = session
         self._name = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
         self._module = module
         self._options = options
@@ -402,7 +406,7 @@ class GradientSync:
                 current, size = [], 0
         if current:
             buckets.append(current)
-        device, narrow = self._lane.device, self._options.compression
+        device, narrow = self._carrier.device, self._options.compression
         self._buckets = [_Bucket(params, device, narrow) for params in buckets]
         self._where = {
             self._index[id(param)]: (b, slot)
@@ -420,7 +424,7 @@ class GradientSync:
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._removed or param.grad is None:
             return
-        if self._lane.closed:  # its session ended (a lane of another session's, say)
+        if self._carrier.closed:  # its session ended (a lane of another session's, say)
             self.remove()
             return
         index = self._index[id(param)]
@@ -450,7 +454,7 @@ class GradientSync:
 
     def _unfinished(self) -> AsyncDistError:
         return AsyncDistError(
-            f"backward reached the {self._name} on rank {self._lane.rank} before its previous "
+            f"backward reached the {self._name} on rank {self._carrier.rank} before its previous "
             f"step finished: call `await sync` (or `sync.wait()`) after every backward, before "
             f"the next one (to accumulate gradients over several backwards, run all but the "
             f"last inside `with sync.no_sync():`). Nothing of this backward was launched"
@@ -461,7 +465,7 @@ class GradientSync:
         buckets (rank 0's buffers as the forward left them; backward does not
         change buffers, and this copy is what every rank holds afterwards)."""
         self._phase = _Phase.LAUNCHED
-        if self._options.broadcast_buffers and self._lane.world_size > 1:
+        if self._options.broadcast_buffers and self._carrier.world_size > 1:
             buffers = [b.data for b in self._module.buffers()]
             if buffers:
                 self._buffers = self._broadcast(buffers, src=0)
@@ -489,12 +493,12 @@ class GradientSync:
 
     def _launch(self, bucket: _Bucket) -> Handle[torch.Tensor]:
         if bucket.wire is None:
-            return self._lane.allreduce(bucket.buffer, op=self._options.op)
+            return self._carrier.allreduce(bucket.buffer, op=self._options.op)
         # DDP's compress hooks: narrow, pre-divide (so fp16 cannot overflow), sum
         bucket.wire.copy_(bucket.buffer)
         if self._options.op == "mean":
-            bucket.wire.div_(self._lane.world_size)
-        return self._lane.allreduce(bucket.wire, op="sum")
+            bucket.wire.div_(self._carrier.world_size)
+        return self._carrier.allreduce(bucket.wire, op="sum")
 
     # -- finishing a step ---------------------------------------------------------------
 
@@ -592,7 +596,7 @@ class GradientSync:
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
         with issuing_as(self, self._name):
-            return self._lane.broadcast_object(order, src=0, allowed=[])
+            return self._carrier.broadcast_object(order, src=0, allowed=[])
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else self._phase.value
@@ -639,9 +643,9 @@ class GradientSync:
         """Launch the broadcasts of ``tensors``, one flat buffer per dtype;
         waiting copies the received values back (on the waiting thread)."""
         groups = list(_ops.by_dtype(tensors).values())
-        flats = [_ops.pack(group, self._lane.device) for group in groups]
+        flats = [_ops.pack(group, self._carrier.device) for group in groups]
         with issuing_as(self, self._name):
-            parts = [self._lane.broadcast(flat, src=src) for flat in flats]
+            parts = [self._carrier.broadcast(flat, src=src) for flat in flats]
 
         def copy_back(received: list[torch.Tensor]) -> None:
             for flat, group in zip(received, groups, strict=True):
@@ -685,3 +689,28 @@ class GradientSync:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def buckets_of(sync: GradientSync) -> tuple[_Bucket, ...]:
+    """The buckets of ``sync``, in launch order (each with its ``buffer``,
+    its ``wire`` copy when compressed, and its ``handle`` while a step is in
+    flight). A seam for tests and tools, not API."""
+    return tuple(sync._buckets)
+
+
+def detach(syncs: weakref.WeakSet[GradientSync], *, rank: int, warn: bool) -> None:
+    """Take every sync's hooks off its module (its session ends: backward
+    afterwards is plain local autograd). ``warn``: the session ends
+    normally, so a sync mid-step is worth a warning (else the exception is
+    the news)."""
+    for sync in list(syncs):
+        if sync.pending and warn:
+            logger.warning(
+                "rank %d: %r ends with the session mid-step: its last backward was "
+                "never followed by `await sync` / `sync.wait()`, so those gradients were "
+                "not averaged",
+                rank,
+                sync,
+            )
+        sync.remove()
+    syncs.clear()

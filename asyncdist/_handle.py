@@ -1,323 +1,25 @@
 """Handle: a launched collective, awaitable on asyncio or trio, or waited on synchronously.
 
-A collective is issued by the session *before* its handle exists; the handle
-only observes completion, and whoever observes it first (a waiter, ``done()``,
-the session's watchdog) *settles* it: checks the work's outcome, runs the
-op's finishing step (e.g. the division of "mean") exactly once, and records
-the result or the translated error.
-
-How completion is observed, by kind of work:
-
-* works with a torch ``Future`` (every gloo collective but the ones below):
-  ``wait()`` blocks in torch's own ``work.wait()`` with the GIL released,
-  exactly like raw torch code; ``await`` hooks the future's done-callback,
-  which runs on a gloo worker thread and wakes the loop through
-  ``._wakeup`` without blocking; ``done()`` asks ``work.is_completed()``.
-* works gloo gives no future (``reduce_scatter``, ``send``/``recv``) and
-  multi-step ops (object collectives): a ``Completer`` thread per
-  ordering key runs them in issue order. One thread serves every handle of
-  that key; none is parked per handle.
-
-The session's ``Watchdog`` thread looks at outstanding handles about once
-a second: it settles finished ones nobody looked at (so a handle completes
-without being awaited, and a failure breaks the session) and declares lost
-those that made no progress within the timeout.
-
-Whichever thread settles, it does so in the caller's autograd mode: torch's
-grad mode and inference mode are thread-local, and a gloo worker thread, a
-completer or the watchdog runs outside the mode the collective was issued
-in. A tensor made under ``torch.inference_mode()`` cannot be updated in
-place outside it, nor a leaf that requires grad with grad on; the divide of
-"mean", gloo's copy of a reduce_scatter block into its output (done in
-``work.wait()``) and the unpacking of coalesced buffers are such updates.
-The mode is read at launch (two calls into torch, ~0.2 µs) and re-entered
-only where the settling thread's own mode differs.
+``Handle`` is the public face of an internal operation record (``_op.Op``,
+or ``_op.AllOp`` for a handle over many): it holds one op and offers only
+the public API. It is final and has no public constructor; lanes make
+handles with ``handle_of(op)``, and internal code that needs the record
+(the session's drain, the tracer, tests) reads it with ``op_of(handle)``.
 """
 
 from __future__ import annotations
 
-import collections
-import datetime
-import functools
-import queue
-import threading
-import time
 from collections.abc import Callable, Generator, Iterable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-import torch
+from typing import Any, Generic, TypeVar, final
 
 from . import _wakeup
-from .errors import (
-    AsyncDistError,
-    CollectiveTimeout,
-    Departure,
-    FinishError,
-    finish_failed,
-    translate,
-)
-
-if TYPE_CHECKING:
-    from ._store import LeaveNotices
+from ._op import AllOp, Op
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
-# (inference mode, grad mode) of a thread; the default is (False, True).
-Mode = tuple[bool, bool]
-_inference_on = torch.is_inference_mode_enabled  # read on every launch and settle
-_grad_on = torch.is_grad_enabled
 
-
-def current_mode() -> Mode:
-    """This thread's autograd mode."""
-    return (_inference_on(), _grad_on())
-
-
-def in_mode(mode: Mode, fn: Callable[[], T]) -> T:
-    """``fn()`` in ``mode``, this thread's own mode restored after.
-
-    Free when the thread is in ``mode`` already (every background thread is
-    in the default mode, and so is most issuing code); otherwise it costs the
-    two context managers, a few microseconds.
-    """
-    if mode == current_mode():
-        return fn()
-    inference, grad = mode
-    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-        return fn()
-
-
-# Seconds the handle's own watchdog allows past the session timeout before it
-# declares a collective lost; the backend's timeout normally fires first.
-WATCHDOG_GRACE = 3.0
-# A blocking wait returns to Python this often, so signal handlers (Ctrl-C,
-# a launcher's SIGTERM) run promptly.
-WAIT_SLICE = 0.5
-
-
-class Health:
-    """Per-session fault state shared by the session and its completions.
-
-    Holds no reference to the process group (see the module docstring).
-    """
-
-    __slots__ = ("debug", "fault", "fault_seen", "last_progress", "rank", "timeout")
-
-    def __init__(self, *, rank: int, timeout: float, debug: bool = False) -> None:
-        self.rank = rank
-        self.timeout = timeout
-        self.debug = debug  # debug mode: mismatches are caught before the backend
-        self.fault: BaseException | None = None
-        self.fault_seen = False  # the user was shown a fault of this session
-        self.last_progress = time.monotonic()
-
-    def progressed(self) -> None:
-        self.last_progress = time.monotonic()
-
-    def break_(self, exc: BaseException) -> None:
-        if self.fault is None:
-            self.fault = exc
-
-    def saw(self, error: BaseException | None) -> None:
-        """``error`` reached the user; a fault (not a local error) counts as seen."""
-        if isinstance(error, AsyncDistError) and not isinstance(error, FinishError):
-            self.fault_seen = True
-
-    def fail(
-        self,
-        exc: BaseException,
-        *,
-        op: str,
-        left: Callable[[], Departure | None] | None = None,
-    ) -> AsyncDistError:
-        """Translate a backend error raised straight to the caller, break the
-        session with it and mark it seen; the caller raises the result.
-        ``left``: see ``translate``."""
-        error = translate(
-            exc, op=op, rank=self.rank, timeout=self.timeout, left=left, debug=self.debug
-        )
-        if error is not exc:
-            error.__cause__ = exc
-        self.break_(error)
-        self.saw(error)
-        return error
-
-
-class _Completion:
-    """One-shot result cell, set from any thread, first setter wins.
-
-    Waiting uses a lock held from birth and released once settled (two bare
-    locks cost far less to make than a ``threading.Event``'s condition).
-    """
-
-    __slots__ = ("_callbacks", "_claimed", "_done", "_error", "_gate", "_lock", "_value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._gate = threading.Lock()
-        self._gate.acquire()
-        self._claimed = False
-        self._done = False
-        self._callbacks: list[Callable[[], None]] = []
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def claim(self) -> bool:
-        """True for the first caller only: it must then settle the cell."""
-        with self._lock:
-            if self._claimed or self._done:
-                return False
-            self._claimed = True
-            return True
-
-    def _settle(self, value: Any, error: BaseException | None) -> bool:
-        with self._lock:
-            if self._done:
-                return False
-            self._value, self._error = value, error
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        self._gate.release()
-        for callback in callbacks:
-            callback()
-        return True
-
-    def set_result(self, value: Any) -> bool:
-        return self._settle(value, None)
-
-    def set_error(self, error: BaseException) -> bool:
-        return self._settle(None, error)
-
-    def add_callback(self, callback: Callable[[], None]) -> None:
-        """Run ``callback()`` once done: now (on this thread) if already done,
-        else on the thread that completes the cell.  It must not raise."""
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def remove_callback(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until settled or ``timeout`` seconds passed; True if settled."""
-        if self._done:
-            return True
-        if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            self._gate.release()  # let the next waiter through
-            return True
-        return self._done
-
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-class Completer:
-    """Completes futureless works (gloo ``reduce_scatter``, ``send``/``recv``).
-
-    One daemon thread per ordering key waits on that key's works in issue
-    order; works of one key complete in that order anyway (one collective
-    stream, or one peer and direction), so waiting in order never delays a
-    completion behind an unrelated one.
-    """
-
-    _STOP = object()
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._lock = threading.Lock()
-        self._queues: dict[str, queue.SimpleQueue[Any]] = {}
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, key: str, job: Callable[[], None]) -> None:
-        with self._lock:
-            jobs = self._queues.get(key)
-            if jobs is None:
-                jobs = self._queues[key] = queue.SimpleQueue()
-                thread = threading.Thread(
-                    target=self._run, args=(jobs,), name=f"{self._name}:{key}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()
-        jobs.put(job)
-
-    @classmethod
-    def _run(cls, jobs: queue.SimpleQueue[Any]) -> None:
-        while True:
-            job = jobs.get()
-            if job is cls._STOP:
-                return
-            job()
-            del job
-
-    def close(self, timeout: float | None) -> None:
-        """Stop the threads once their queued works are done; wait up to
-        ``timeout`` for them (threads stuck on a lost peer are left to the
-        backend timeout; they are daemons)."""
-        with self._lock:
-            for jobs in self._queues.values():
-                jobs.put(self._STOP)
-            threads, self._threads, self._queues = self._threads, [], {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in threads:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            thread.join(remaining)
-
-
-class Watchdog:
-    """Declares a session's collectives lost when it stops making progress.
-
-    One daemon thread per session, not per handle.  The backend's own
-    timeout (the group timeout) normally fires first; this is the backstop
-    for a collective the backend never finishes.  A pending handle expires
-    once neither it was launched nor anything completed in the last
-    ``timeout + WATCHDOG_GRACE`` seconds.
-    """
-
-    def __init__(self, health: Health, outstanding: collections.deque[Handle[Any]]) -> None:
-        self._health = health
-        self._outstanding = outstanding
-        self._stop = threading.Event()
-        self._limit = health.timeout + WATCHDOG_GRACE
-        self._thread = threading.Thread(
-            target=self._run, name=f"asyncdist-watchdog-r{health.rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        period = min(1.0, self._limit / 4)
-        while not self._stop.wait(period):
-            self.check()
-
-    def check(self) -> None:
-        for handle in self._snapshot():
-            if not handle.done() and handle._budget() <= 0:
-                handle._expire()
-
-    def _snapshot(self) -> list[Handle[Any]]:
-        while True:
-            try:
-                return list(self._outstanding)
-            except RuntimeError:  # appended to while copying; try again
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
+@final
 class Handle(Generic[T_co]):
     """A launched collective.
 
@@ -331,230 +33,29 @@ class Handle(Generic[T_co]):
     [DistSession][asyncdist.DistSession] methods and [wait_all][asyncdist.wait_all].
     """
 
-    __slots__ = (
-        "_completion",
-        "_finish",
-        "_health",
-        "_hooked",
-        "_lane",
-        "_launched",
-        "_mode",
-        "_number",
-        "_observed",
-        "_op",
-        "_streamed",
-        "_work",
-    )
+    __slots__ = ("_op",)
 
-    _op: str
-    _completion: _Completion
-    _health: Health | None
-    _launched: float
-    _mode: Mode  # the issuing thread's autograd mode, re-entered to settle
-    _work: Any  # a torch Work with a future; None when a Completer settles the handle
-    _finish: Callable[[], Any]
-    _hooked: bool
-    _observed: bool  # someone got the result or the error from this handle
-    _streamed: bool  # NCCL: completion is stream-ordered, torch's wait() never blocks the host
-    _lane: LeaveNotices | None  # where to read that a peer left on purpose
-    _number: int  # this collective is its lane's n-th (from 1)
+    _op: Op | AllOp
 
     def __init__(self) -> None:
         raise TypeError("Handle has no public constructor; DistSession methods return handles")
 
-    @classmethod
-    def _create(
-        cls,
-        op: str,
-        health: Health | None,
-        finish: Callable[[], Any],
-        lane: LeaveNotices | None = None,
-        number: int = 0,
-    ) -> Handle[Any]:
-        """A handle for a collective about to be issued; ``_attach`` gives
-        it the work once torch accepted it. ``lane``/``number``: which of its
-        lane's collectives it is, for the message when a peer left the lane."""
-        self = object.__new__(cls)
-        self._lane = lane
-        self._number = number
-        self._op = op
-        self._completion = _Completion()
-        self._health = health
-        self._launched = time.monotonic()
-        self._mode = (_inference_on(), _grad_on())
-        self._work = None
-        self._finish = finish
-        self._hooked = False
-        self._observed = False
-        self._streamed = False
-        return self
-
-    def _attach(self, work: Any, *, streamed: bool = False, hook: bool = False) -> None:
-        """Observe ``work`` (a torch Work with a future; ``None`` when a
-        completer settles the handle). ``hook``: settle from the future's
-        callback at once, for a waiter that may already be parked on the
-        completion (a launch deferred to another thread)."""
-        self._streamed = streamed
-        self._work = work
-        if hook:
-            self._hook()
-
-    def _release(self, fault: BaseException | None) -> None:
-        """Let go of the torch work: its session closed and destroyed the group.
-
-        A work keeps its group's transport alive (gloo: the context, its
-        sockets and its I/O thread). A handle the program still holds, or one
-        kept by a reference cycle (a fault's traceback reaches the frames that
-        hold it), must not keep that past the session. A handle still pending
-        in a broken session is lost with it: it fails with the session's
-        ``fault``. NCCL handles, and pending ones of a healthy session (none
-        after a drain), keep their work.
-        """
-        if self._streamed or self._work is None:
-            return
-        if not self.done():
-            if fault is None:
-                return
-            if self._completion.claim():
-                self._completion.set_error(fault)
-        self._work = None
-
-    def _fail(self, error: BaseException) -> None:
-        """Settle with ``error`` before anything was launched (a local error)."""
-        if self._completion.claim():
-            self._completion.set_error(error)
-
-    # -- inspection --------------------------------------------------------
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError("Handle is final; it cannot be subclassed")
 
     @property
     def op(self) -> str:
         """The collective's name, e.g. ``"allreduce"``."""
-        return self._op
+        return self._op.name
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not); for NCCL
         work, once the device finished it."""
-        completion, work = self._completion, self._work
-        if not completion.done() and work is not None and work.is_completed():
-            self._settle(work.wait)  # returns at once, or raises the backend's error
-        if self._streamed and completion.done() and completion.error() is None:
-            return bool(work.is_completed())  # settled at enqueue; the device may still run
-        return completion.done()
+        return self._op.done()
 
     def exception(self) -> BaseException | None:
         """The error the collective ended with, ``None`` if pending or successful."""
-        if self.done():
-            self._observed = True
-            if self._health is not None:
-                self._health.saw(self._completion.error())
-        return self._completion.error()
-
-    def __repr__(self) -> str:
-        # Pure: it must not mark an error as seen (that changes what leaving
-        # the session raises), so it reads the cell, not exception().
-        if not self.done():
-            status = "pending"
-        elif (error := self._error()) is not None:
-            status = f"failed: {type(error).__name__}"
-        else:
-            status = "done"
-        return f"<Handle {self._op} {status}>"
-
-    def _error(self) -> BaseException | None:
-        return self._completion.error()
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a Handle belongs to the process that launched it; it cannot be pickled")
-
-    # -- settling (any thread) -----------------------------------------------
-
-    def _settle(self, check: Callable[[], object]) -> None:
-        """If first to claim it, settle this handle: ``check()`` raises the
-        backend's error, if any (a fault: it breaks the session); else
-        ``finish()`` gives the result, or a local error (the session stays
-        usable). Both run in the mode the collective was issued in, on
-        whichever thread this is (see the module docstring). Never raises."""
-        if not self._completion.claim():
-            return
-        mode = self._mode
-        if mode == (_inference_on(), _grad_on()):  # current_mode(), without the call
-            self._conclude(check)
-        else:
-            with torch.inference_mode(mode[0]), torch.set_grad_enabled(mode[1]):
-                self._conclude(check)
-
-    def _as_caller(self, fn: Callable[[], T]) -> T:
-        """``fn()`` in the mode this collective was issued in (a launch
-        deferred to another thread)."""
-        return in_mode(self._mode, fn)
-
-    def _conclude(self, check: Callable[[], object]) -> None:
-        """``_settle`` once claimed."""
-        completion = self._completion
-        health = self._health
-        assert health is not None
-        try:
-            check()
-        except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
-            error = translate(
-                exc,
-                op=self._op,
-                rank=health.rank,
-                timeout=health.timeout,
-                left=self._left(),
-                debug=health.debug,
-            )
-            if error is not exc:
-                # The backend's traceback is this frame and, through it, its
-                # callers' (with their works and groups): the session keeps its
-                # fault, and must not keep those alive past its end.
-                error.__cause__ = exc.with_traceback(None)
-            health.break_(error)
-            completion.set_error(error)
-            return
-        health.progressed()
-        try:
-            value = self._finish()
-        except BaseException as exc:  # noqa: BLE001 - a local error (e.g. a refused unpickle)
-            # The collective itself went fine: no fault, the session stays usable.
-            local = finish_failed(exc, op=self._op, rank=health.rank)
-            if local is not exc:
-                local.__cause__ = exc
-            completion.set_error(local)
-        else:
-            completion.set_result(value)
-
-    def _left(self) -> Callable[[], Departure | None] | None:
-        """How to read whether a peer left this handle's lane on purpose."""
-        lane, health = self._lane, self._health
-        if lane is None or health is None:
-            return None
-        return functools.partial(lane.departure, health.rank, self._number)
-
-    def _budget(self) -> float:
-        """Seconds left before the watchdog declares this handle lost."""
-        health = self._health
-        assert health is not None
-        since = max(self._launched, health.last_progress)
-        return since + health.timeout + WATCHDOG_GRACE - time.monotonic()
-
-    def _expire(self) -> None:
-        """Declare the collective lost: it made no progress within the limit."""
-        health = self._health
-        assert health is not None
-        limit = health.timeout + WATCHDOG_GRACE
-        error = CollectiveTimeout(
-            f"{self._op} on rank {health.rank} made no progress for {limit:g} s "
-            f"(session timeout {health.timeout:g} s): a peer is alive but silent. Check "
-            "that every rank issues the same collectives in the same order, and whether "
-            "a peer is stuck or stopped.",
-            op=self._op,
-            rank=health.rank,
-        )
-        health.break_(error)
-        self._completion.set_error(error)
-
-    # -- waiting -------------------------------------------------------------
+        return self._op.exception()
 
     def wait(self, timeout: float | None = None) -> T_co:
         """Block until the collective finishes and return its result.
@@ -570,162 +71,48 @@ class Handle(Generic[T_co]):
             FinishError: the step that finishes it on this rank failed (the
                 divide of "mean", a copy-back); the session stays usable.
         """
-        # No local for the work: a raised error's traceback keeps this frame,
-        # which would keep the work (and its group's transport) alive.
-        completion = self._completion
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not completion.done() and self._work is not None:
-            if self._streamed:
-                self._settle(self._work.wait)  # NCCL: a stream dependency, the host goes on
-            else:
-                self._block(deadline)
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if not completion.wait(remaining):
-            raise TimeoutError(
-                f"{self._op} did not finish within {timeout:g} s; the handle stays valid "
-                "and can be waited on again"
-            )
-        return self._result()
-
-    def _result(self) -> T_co:
-        """The result, safe to use on this thread's current CUDA stream."""
-        self._observed = True
-        if self._health is not None:
-            self._health.saw(self._completion.error())
-        result: T_co = self._completion.result()
-        if self._work is not None:
-            # Settled on another thread, maybe: order this thread's current stream
-            # after the work (CUDA; for finished CPU work this returns at once).
-            self._work.wait()
+        result: T_co = self._op.wait(timeout)
         return result
-
-    def _join(self) -> BaseException | None:
-        """Wait without raising (the session's exit); the error nobody saw, if any."""
-        if not self._completion.done() and self._work is not None:
-            self._block(None)
-        self._completion.wait(None)
-        return None if self._observed else self._completion.error()
-
-    def _block(self, deadline: float | None) -> None:
-        """Wait in torch's ``work.wait`` (GIL released), in slices that end at
-        ``deadline`` or when the watchdog would declare the work lost."""
-        work = self._work
-        while not self._completion.done():
-            budget = min(self._budget(), WAIT_SLICE)
-            if deadline is not None:
-                budget = min(budget, deadline - time.monotonic())
-            try:
-                work.wait(datetime.timedelta(seconds=max(budget, 0.001)))
-                sliced = False  # (NCCL: ordered on the stream; is_completed may lag)
-            except RuntimeError:  # the slice ran out, or the work failed
-                sliced = not work.is_completed()
-            if sliced:  # outside the except: an expiry must not chain the slice's error
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
-                if self._budget() <= 0:
-                    self._expire()
-                continue
-            self._settle(work.wait)
-            return
 
     def synchronize(self) -> T_co:
         """Like [wait][asyncdist.Handle.wait], and for CUDA work also block the host until the
         device has finished it (not only ordered the current stream after it)."""
-        result = self.wait()
-        if self._streamed:
-            torch.cuda.current_stream().synchronize()
+        result: T_co = self._op.synchronize()
         return result
-
-    async def _settled(self) -> None:
-        """Sleep on the loop until this handle is settled (a cancel point);
-        the caller checked that it is not done yet."""
-        self._hook()
-        completion = self._completion
-        await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
-
-    async def _join_async(self) -> BaseException | None:
-        """``_join`` for an async exit: waits on the loop, never raises."""
-        if not self.done():
-            await self._settled()
-        return None if self._observed else self._completion.error()
-
-    def _hook(self) -> None:
-        """Settle from the work's future callback (a gloo worker thread), so an
-        async waiter is woken without any thread blocking for it."""
-        if self._hooked or self._work is None:
-            return
-        self._hooked = True
-
-        def on_future(future: Any) -> None:
-            self._settle(future.value)
-
-        self._work.get_future().add_done_callback(on_future)
 
     def __await__(self) -> Generator[Any, None, T_co]:
         # A generator rather than a coroutine's __await__: awaiting a done
         # handle on asyncio stays one frame and a plain return.
-        if not self.done():
-            yield from self._settled().__await__()
+        op = self._op
+        if type(op) is not Op:
+            result: T_co = yield from op.wait_async().__await__()  # type: ignore[union-attr]
+            return result
+        if not op.done():
+            yield from op.settled().__await__()
         elif _wakeup.on_trio():  # every await is a checkpoint there; not on asyncio
             yield from _wakeup.trio_checkpoint().__await__()
-        return self._result()
+        return op.result()  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        # Pure: it must not mark an error as seen (that changes what leaving
+        # the session raises).
+        return f"<Handle {self._op.name} {self._op.status()}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Handle belongs to the process that launched it; it cannot be pickled")
 
 
-class _AllHandle(Handle[list[Any]]):
-    """The handle [wait_all][asyncdist.wait_all] returns: done when every part is."""
+def handle_of(op: Op | AllOp) -> Handle[Any]:
+    """The public handle over ``op`` (the one way handles are made)."""
+    handle: Handle[Any] = object.__new__(Handle)
+    handle._op = op
+    return handle
 
-    __slots__ = ("_combine", "_parts")
 
-    _parts: tuple[Handle[Any], ...]
-    _combine: Callable[[list[Any]], Any]
-
-    def done(self) -> bool:
-        return all(part.done() for part in self._parts)
-
-    def exception(self) -> BaseException | None:
-        return next((e for p in self._parts if (e := p.exception()) is not None), None)
-
-    def _error(self) -> BaseException | None:
-        return next((e for p in self._parts if (e := p._error()) is not None), None)
-
-    def wait(self, timeout: float | None = None) -> Any:
-        limit = None if timeout is None else time.monotonic() + timeout
-        results = []
-        for part in self._parts:
-            remaining = None if limit is None else max(0.0, limit - time.monotonic())
-            results.append(part.wait(remaining))
-        return self._combine(results)
-
-    def synchronize(self) -> Any:
-        return self._combine([part.synchronize() for part in self._parts])
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        return self._wait_async().__await__()
-
-    async def _wait_async(self) -> Any:
-        # trio is owed one checkpoint in all (not one per part): a part's
-        # sleep, or else one for the parts done already
-        owed = _wakeup.on_trio()
-        if owed and self.done():
-            await _wakeup.trio_checkpoint()
-            owed = False
-        results = []
-        for part in self._parts:
-            if not part.done():
-                await part._settled()
-                owed = False
-            results.append(part._result())  # the first failing part raises, in order
-        if owed:  # the parts pending at first finished meanwhile
-            await _wakeup.trio_checkpoint()
-        return self._combine(results)
-
-    async def _settled(self) -> None:
-        for part in self._parts:
-            if not part.done():
-                await part._settled()
-
-    def _result(self) -> Any:
-        return self._combine([part._result() for part in self._parts])
+def op_of(handle: Handle[Any]) -> Op | AllOp:
+    """The operation record behind ``handle``: a seam for the package's own
+    layers (the tracer, the session's drain) and for tests and tools."""
+    return handle._op
 
 
 def wait_all(handles: Iterable[Handle[T]]) -> Handle[list[T]]:
@@ -743,8 +130,4 @@ def wait_all(handles: Iterable[Handle[T]]) -> Handle[list[T]]:
 
 def combined(op: str, parts: Iterable[Handle[Any]], combine: Callable[[list[Any]], T]) -> Handle[T]:
     """A handle done when all ``parts`` are, whose result is ``combine(results)``."""
-    self = _AllHandle._create(op, None, list)
-    assert isinstance(self, _AllHandle)
-    self._parts = tuple(parts)
-    self._combine = combine
-    return self  # type: ignore[return-value]
+    return handle_of(AllOp(op, [part._op for part in parts], combine))

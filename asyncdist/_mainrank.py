@@ -65,18 +65,18 @@ class _RankLogger(logging.LoggerAdapter[logging.Logger]):
 
     def __init__(self, logger: logging.Logger, lane: Ranked, *, main_only: bool) -> None:
         super().__init__(logger, {})
-        self._lane_ = lane
+        self._ranked = lane
         self._main_only = main_only
 
     def isEnabledFor(self, level: int) -> bool:
-        if self._main_only and self._lane_.rank != 0:
+        if self._main_only and self._ranked.rank != 0:
             return False
         return self.logger.isEnabledFor(level)
 
     def process(
         self, msg: Any, kwargs: MutableMapping[str, Any]
     ) -> tuple[Any, MutableMapping[str, Any]]:
-        kwargs["extra"] = {"rank": self._lane_.rank, **(kwargs.get("extra") or {})}
+        kwargs["extra"] = {"rank": self._ranked.rank, **(kwargs.get("extra") or {})}
         return msg, kwargs
 
 

@@ -1,7 +1,7 @@
 """DistSession: the process group's lifecycle.
 
 A session forms (or adopts) the default group on entry, hands its
-communication to a ``Comm``, and on exit drains,
+collectives to its root ``Lane``, and on exit drains,
 reports and tears down, however the block ends. The collective surface comes
 from ``Collectives``; sub-sessions from
 [DistSession.split][asyncdist.DistSession.split] are sessions over a sub-lane.
@@ -14,52 +14,42 @@ import datetime
 import enum
 import functools
 import logging
-import math
 import os
-import threading
-import traceback
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
-from . import _ops
-from ._channel import Channel
+from . import _groups, _ops
+from ._channel import Channel, Channels, check_channel_name
 from ._collectives import Collectives
-from ._comm import Comm
+from ._debug import debug_from_env
 from ._env import (
     MIXED,
-    LaunchEnv,
-    backends_by_device,
     choose_backend,
     choose_device,
     detect,
-    gloo_on_loopback,
     is_loopback,
     launcher_local_rank,
+    timeout_seconds,
 )
-from ._grad import GradientSync, Options
-from ._handle import Handle
-from ._store import forget, session_store
+from ._grad import GradientSync, Options, detach
+from ._lane import Lane
+from ._op import Op
+from ._progress import leaving_how, quiet_interrupt
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
-    FinishError,
     InitError,
     Leaving,
-    SessionBroken,
     SessionClosed,
 )
 
 logger = logging.getLogger("asyncdist")
-
-
-DEFAULT_TIMEOUT = 1800.0  # torch's own default for gloo and NCCL groups
 
 
 class State(enum.Enum):
@@ -71,79 +61,7 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-def _seconds(timeout: float | datetime.timedelta | None) -> float:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"timeout must be seconds (a number) or a timedelta, not {type(timeout).__name__}"
-        )
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return seconds
-
-
-def _name_groups_afresh() -> None:
-    """Let the next default group be named as on every other rank: "0".
-
-    torch names the default group by a per-process counter that only
-    ``destroy_process_group()`` resets, and a failed ``init_process_group``
-    leaves it advanced. After a fault at entry that failed inside init on one
-    rank and before it on another (reaching the store), the ranks' next groups
-    would differ in name, wait for each other's keys under different prefixes,
-    and no later session of those processes could form. Called only while no
-    default group exists, so no group carries a counter-given name.
-    """
-    distributed_c10d._world.group_count = 0
-
-
-def _leaving(exc: BaseException | None, cancelled: type[BaseException] | None = None) -> Leaving:
-    """How a block ended, for the notice its peers read: an interrupt
-    (Ctrl-C) is not a rank's failure, so it is told apart from an exception."""
-    if exc is None:
-        return "finished"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    if cancelled is not None and isinstance(exc, cancelled):
-        return "cancelled"
-    return "raised"
-
-
-def _quiet_interrupt(exc: BaseException | None) -> None:
-    """Hide a raw backend error that a ``KeyboardInterrupt`` leaving the
-    session happened to interrupt the handling of.
-
-    With every rank interrupted, a rank waiting in a collective often sees
-    its peer leave first: gloo's "Connection closed by peer" is raised, and
-    the interrupt lands while asyncdist handles it, so Python would print
-    the raw error above the ``KeyboardInterrupt``. The peer's departure is
-    reported, translated, when the session is left; the raw text is noise.
-    """
-    if not isinstance(exc, KeyboardInterrupt):
-        return
-    context = exc.__context__
-    if not isinstance(context, RuntimeError) or isinstance(context, AsyncDistError):
-        return
-    tb = context.__traceback__
-    while tb is not None:  # raised into asyncdist's code, never seen by the program
-        if tb.tb_frame.f_globals.get("__name__", "").startswith(f"{__package__}."):
-            exc.__suppress_context__ = True
-            return
-        tb = tb.tb_next
-
-
 GRADIENTS = "gradients"  # the channel gradient_sync uses by default
-
-
-def _check_channel_name(name: Any) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"channel: name must be a string, not {type(name).__name__}")
-    if not name:
-        raise ValueError("channel: name must not be empty")
 
 
 class DistSession(Collectives):
@@ -199,35 +117,32 @@ class DistSession(Collectives):
     ) -> None:
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:
-            _check_channel_name(name)
+            check_channel_name(name)
         self._requested_backend = backend
         self._init_method = init_method
         self._requested_rank, self._requested_world = rank, world_size
         self._requested_master = (master_addr, master_port)
-        self._timeout = _seconds(timeout)
+        self._timeout = timeout_seconds(timeout)
         self._requested_device = device
-        self._debug = debug or os.environ.get("ASYNCDIST_DEBUG", "") not in ("", "0")
+        self._debug = debug or debug_from_env()
         self._trace_path: str | os.PathLike[str] | None = (
             None if trace is False else "asyncdist-trace.json" if trace is True else trace
         )
         self._state = State.UNOPENED
-        self._comm: Comm | None = None  # kept after closing: rank etc. stay readable
+        self._lane: Lane | None = None  # kept after closing: rank etc. stay readable
         self._local_rank = 0
         self._owned_store: dist.Store | None = None
         self._parent: DistSession | None = None
         self._children: list[DistSession] = []
-        self._channels: dict[str, Channel] = {}
-        # channel names being formed by channel_async, and the lock every forming holds
-        self._forming: dict[str, anyio.Event] = {}
-        self._forming_lock = threading.Lock()
+        self._channels = Channels()
         # the GradientSyncs made here: their hooks come off when the session ends
         self._syncs: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 
     @classmethod
-    def _over(cls, parent: DistSession, comm: Comm) -> DistSession:
-        """A sub-session over ``comm`` (a sub-lane of ``parent``'s), open from birth."""
-        sub = cls(comm.backend, timeout=comm.timeout, device=comm.device, debug=comm.debug)
-        sub._comm, sub._parent, sub._state = comm, parent, State.OPEN
+    def _sub_session(cls, parent: DistSession, lane: Lane) -> DistSession:
+        """A sub-session over ``lane`` (a sub-lane of ``parent``'s), open from birth."""
+        sub = cls(lane.backend, timeout=lane.timeout, device=lane.device, debug=lane.debug)
+        sub._lane, sub._parent, sub._state = lane, parent, State.OPEN
         sub._local_rank = parent._local_rank
         parent._children.append(sub)
         return sub
@@ -235,34 +150,9 @@ class DistSession(Collectives):
     # -- properties ------------------------------------------------------------
 
     @property
-    def rank(self) -> int:
-        """This process's rank in the session's group."""
-        return 0 if self._comm is None else self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the session's group."""
-        return 1 if self._comm is None else self._comm.world_size
-
-    @property
     def local_rank(self) -> int:
         """This process's index on its machine (``LOCAL_RANK``)."""
         return self._local_rank
-
-    @property
-    def backend(self) -> str:
-        """``"gloo"`` or ``"nccl"`` (empty before the session is entered)."""
-        return "" if self._comm is None else self._comm.backend
-
-    @property
-    def device(self) -> torch.device:
-        """The device collectives of this session run on."""
-        return torch.device("cpu") if self._comm is None else self._comm.device
-
-    @property
-    def group(self) -> Any:
-        """The underlying ``torch.distributed`` process group (``None`` unless open)."""
-        return None if self._comm is None else self._comm.group
 
     @property
     def is_main(self) -> bool:
@@ -283,7 +173,7 @@ class DistSession(Collectives):
     def state(self) -> State:
         """The session's [State][asyncdist.State]: ``UNOPENED``, ``OPEN``,
         ``BROKEN`` (after a fault) or ``CLOSED``."""
-        comm = self._comm
+        comm = self._lane
         if self._state is State.OPEN and comm is not None and comm.health.fault is not None:
             return State.BROKEN
         return self._state
@@ -309,8 +199,8 @@ class DistSession(Collectives):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _quiet_interrupt(exc)
-        self._close(_leaving(exc))
+        quiet_interrupt(exc)
+        self._close(leaving_how(exc))
 
     async def __aenter__(self) -> DistSession:
         # Forming the group waits for peers: keep that off the event loop.
@@ -331,11 +221,11 @@ class DistSession(Collectives):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _quiet_interrupt(exc)
-        how = _leaving(exc, anyio.get_cancelled_exc_class())
+        quiet_interrupt(exc)
+        how = leaving_how(exc, anyio.get_cancelled_exc_class())
         # Shielded: a cancellation must not leave the group half torn down.
         with anyio.CancelScope(shield=True):
-            unseen = [await handle._join_async() for handle in self._drain()]
+            unseen = [await op.join_async() for op in self._drain()]
             # joining worker threads and destroying the group can block: not on the loop
             await anyio.to_thread.run_sync(functools.partial(self._teardown, left=how))
         self._report(unseen, raise_errors=exc is None)
@@ -353,7 +243,7 @@ class DistSession(Collectives):
                 "to start again"
             )
         comm = self._adopt() if dist.is_initialized() else self._init_group()
-        self._comm = comm
+        self._lane = comm
         if self._trace_path is not None:
             comm.tracer = Tracer(comm.rank)
         self._state = State.OPEN
@@ -369,27 +259,17 @@ class DistSession(Collectives):
                 "every rank is still running and declares the same channels."
             ) from exc
 
-    def _adopt(self) -> Comm:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        for name, actual, wanted in (
-            ("rank", rank, self._requested_rank),
-            ("world_size", world, self._requested_world),
-        ):
-            if wanted is not None and wanted != actual:
-                raise InitError(
-                    f"the default process group is already initialised with {name}={actual}, "
-                    f"but {name}={wanted} was requested"
-                )
+    def _adopt(self) -> Lane:
+        rank, world, backends = _groups.adopt_world(self._requested_rank, self._requested_world)
         local_rank = launcher_local_rank()
         self._local_rank = rank if local_rank is None else local_rank
-        backends = backends_by_device(str(dist.get_backend()))
         device = choose_device(
             self._requested_device, backends.get("cuda", "gloo"), self._local_rank
         )
         if device.type not in backends:
             device = torch.device("cpu")
-        return Comm(
-            dist.group.WORLD,
+        return Lane.root(
+            _groups.world_group(),
             rank=rank,
             world_size=world,
             backend=backends[device.type],
@@ -400,7 +280,7 @@ class DistSession(Collectives):
             debug=self._debug,
         )
 
-    def _init_group(self) -> Comm:
+    def _init_group(self) -> Lane:
         env = detect(
             rank=self._requested_rank,
             world_size=self._requested_world,
@@ -417,10 +297,17 @@ class DistSession(Collectives):
         # like torch's default group: CUDA tensors on NCCL, CPU tensors on gloo,
         # unless a backend was asked for
         mixed = self._requested_backend is None and device.type == "cuda"
-        self._form_world(env, MIXED if mixed else backend, device, loopback)
+        self._owned_store = _groups.form_world(
+            env,
+            MIXED if mixed else backend,
+            device,
+            init_method=self._init_method,
+            timeout=self._timeout,
+            loopback=loopback,
+        )
         self._local_rank = env.local_rank
-        return Comm(
-            dist.group.WORLD,
+        return Lane.root(
+            _groups.world_group(),
             rank=env.rank,
             world_size=env.world_size,
             backend=backend,
@@ -432,49 +319,14 @@ class DistSession(Collectives):
             loopback=loopback,
         )
 
-    def _form_world(
-        self, env: LaunchEnv, backend: str, device: torch.device, loopback: bool
-    ) -> None:
-        store, fresh = None, False
-        _name_groups_afresh()
-        try:
-            if self._init_method is None:
-                store, self._owned_store, fresh = session_store(env, self._timeout)
-            with gloo_on_loopback(loopback and "gloo" in backend):
-                dist.init_process_group(
-                    backend,
-                    init_method=self._init_method,
-                    store=store,
-                    rank=env.rank,
-                    world_size=env.world_size,
-                    timeout=datetime.timedelta(seconds=self._timeout),
-                    device_id=device if "nccl" in backend else None,
-                )
-        except InitError:
-            self._owned_store = None
-            raise
-        except (RuntimeError, OSError, ValueError) as exc:
-            self._owned_store = None
-            if fresh:
-                store = None
-                forget(env)  # release the port this failed session bound...
-                traceback.clear_frames(exc.__traceback__)  # ...which torch's frames hold
-            where = self._init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
-            raise InitError(
-                f"rank {env.rank} of {env.world_size} could not form a {backend} group via "
-                f"{where} within {self._timeout:g} s ({exc}). Check that all "
-                f"{env.world_size} ranks started, that MASTER_ADDR/MASTER_PORT agree, and "
-                "that the master is reachable."
-            ) from exc
-
-    def _drain(self) -> list[Handle[Any]]:
-        """The handles still outstanding, in issue order (none if not open)."""
-        if self._state is not State.OPEN or self._comm is None:
+    def _drain(self) -> list[Op]:
+        """The collectives still outstanding, in issue order (none if not open)."""
+        if self._state is not State.OPEN or self._lane is None:
             return []
-        return self._comm.drain()
+        return self._lane.drain()
 
     def _close(self, how: Leaving) -> None:
-        unseen = [handle._join() for handle in self._drain()]
+        unseen = [op.join() for op in self._drain()]
         self._teardown(left=how)
         self._report(unseen, raise_errors=how == "finished")
 
@@ -486,21 +338,8 @@ class DistSession(Collectives):
         that broke the session, if no error of it ever reached the user (the
         watchdog found it on a handle nobody waited on).
         """
-        if self._comm is None:
-            return
-        faults = [error for error in unseen if error is not None]
-        health = self._comm.health
-        if health.fault is not None and not health.fault_seen and health.fault not in faults:
-            faults.insert(0, health.fault)
-        for error in faults:
-            logger.warning("rank %d: unobserved failure at session exit: %s", self.rank, error)
-        fault = next(
-            (e for e in faults if isinstance(e, AsyncDistError) and not isinstance(e, FinishError)),
-            None,
-        )
-        if fault is not None and raise_errors:
-            health.fault_seen = True  # once, not again at a parent session's exit
-            raise fault
+        if self._lane is not None:
+            self._lane.health.report(unseen, raise_errors=raise_errors)
 
     def _teardown(self, *, left: Leaving | None = None) -> None:
         """Release everything. ``left``: how the block ended (normally, by an
@@ -508,24 +347,14 @@ class DistSession(Collectives):
         rank left on purpose, once for the lanes inside this one too."""
         if self._state is not State.OPEN:
             return
-        for sync in list(self._syncs):
-            if sync.pending and left == "finished":  # (else the exception is the news)
-                logger.warning(
-                    "rank %d: %r ends with the session mid-step: its last backward was "
-                    "never followed by `await sync` / `sync.wait()`, so those gradients were "
-                    "not averaged",
-                    self.rank,
-                    sync,
-                )
-            sync.remove()  # backward after the session is plain local autograd
-        self._syncs.clear()
-        if left is not None and self._comm is not None:
-            self._comm.leave(left)
+        detach(self._syncs, rank=self.rank, warn=left == "finished")
+        if left is not None and self._lane is not None:
+            self._lane.leave(left)
         for child in list(self._children):
             child._teardown()
         self._state = State.CLOSED
         self._channels.clear()
-        comm = self._comm
+        comm = self._lane
         if comm is None:
             return
         tracer = comm.tracer if self._parent is None else None
@@ -553,27 +382,18 @@ class DistSession(Collectives):
         else:
             self._state = State.CLOSED
 
-    def _lane(self, op: str) -> Comm:
-        comm = self._comm
-        if self._state is not State.OPEN or comm is None:
+    def _usable(self, op: str) -> Lane:
+        if self._state is not State.OPEN or self._lane is None:
             where = f" on rank {self.rank}" if self._state is State.CLOSED else ""
             raise SessionClosed(
                 f"{op}{where}: the session is {self._state.value}; issue collectives inside "
                 "`with DistSession() as s:` (or `async with`)"
             )
-        fault = comm.health.fault
-        if fault is not None:
-            comm.health.fault_seen = True
-            raise SessionBroken(
-                f"{op} on rank {comm.rank}: the session is broken by an earlier failure "
-                f"({type(fault).__name__}); leave it and start a new one (or let torchrun "
-                "restart the job)"
-            ) from fault
-        return comm
+        return self._lane.check(op)
 
     # -- groups -----------------------------------------------------------------
 
-    def _split_lane(self, group_size: int) -> Comm:
+    def _split_lane(self, group_size: int) -> Lane:
         name = "split"
         if isinstance(group_size, bool) or not isinstance(group_size, int):
             raise TypeError(f"{name}: group_size must be an int, not {type(group_size).__name__}")
@@ -582,7 +402,7 @@ class DistSession(Collectives):
                 f"{name}: group_size={group_size} does not divide the world size "
                 f"{self.world_size} into whole groups"
             )
-        return self._lane(name)
+        return self._usable(name)
 
     def split(self, group_size: int) -> DistSession:
         """A sub-session over this rank's block of ``group_size`` consecutive ranks.
@@ -600,7 +420,7 @@ class DistSession(Collectives):
             CollectiveError: a peer did not join in time.
         """
         comm = self._split_lane(group_size)
-        return DistSession._over(self, comm.split(group_size))
+        return DistSession._sub_session(self, comm.split(group_size))
 
     async def split_async(self, group_size: int) -> DistSession:
         """[split][asyncdist.DistSession.split] for async code: the groups form
@@ -631,20 +451,9 @@ class DistSession(Collectives):
             SessionClosed, SessionBroken: the session is not usable.
             CollectiveError: a peer did not join in time.
         """
-        _check_channel_name(name)
-        self._lane("channel")
-        channel = self._channels.get(name)
-        if channel is not None:
-            return channel
-        # One forming at a time, whichever thread asks: a second caller with the
-        # same name must get the first's channel, not form its groups again
-        # (its peers form them once, so the ranks' groups would no longer pair).
-        with self._forming_lock:
-            comm = self._lane("channel")
-            channel = self._channels.get(name)
-            if channel is None:
-                channel = self._channels[name] = Channel(self, name, comm.channel(name))
-        return channel
+        check_channel_name(name)
+        self._usable("channel")
+        return self._channels.form(name, lambda: self._usable("channel"))
 
     async def channel_async(self, name: str) -> Channel:
         """[channel][asyncdist.DistSession.channel] for async code: a new
@@ -653,22 +462,8 @@ class DistSession(Collectives):
         Tasks that ask for the same new name at once get the one channel:
         the first forms it, the others await that forming.
         """
-        _check_channel_name(name)
-        while True:
-            self._lane("channel")
-            channel = self._channels.get(name)
-            if channel is not None:
-                return channel
-            forming = self._forming.get(name)
-            if forming is None:
-                break
-            await forming.wait()  # then look again: it failed if the session broke
-        self._forming[name] = done = anyio.Event()
-        try:
-            return await anyio.to_thread.run_sync(self.channel, name)
-        finally:
-            del self._forming[name]
-            done.set()
+        check_channel_name(name)
+        return await self._channels.form_async(name, lambda: self._usable("channel"), self.channel)
 
     # -- training ---------------------------------------------------------------------
 
@@ -734,7 +529,7 @@ class DistSession(Collectives):
             AsyncDistError: a live GradientSync already covers one of the
                 module's parameters, or the optimizer.
         """
-        self._lane("gradient_sync")
+        self._usable("gradient_sync")
         options = Options.checked(
             module,
             bucket_mb=bucket_mb,
@@ -762,10 +557,10 @@ class DistSession(Collectives):
         (one process per rank); if the block raises, each rank writes its own
         ``path`` with ``.rank<r>`` inserted.
         """
-        comm = self._lane("trace")
+        comm = self._usable("trace")
         return TraceBlock(path, comm, lambda events: self.all_gather_object(events, allowed=[]))
 
     def span(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Mark a block of compute (forward, backward...) in the trace, if tracing."""
-        tracer = None if self._comm is None else self._comm.tracer
+        tracer = None if self._lane is None else self._lane.tracer
         return contextlib.nullcontext() if tracer is None else tracer.span(name)

@@ -19,6 +19,8 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from ._handle import Handle
+from ._op import Op
+from ._progress import Recorder
 
 TRACKS = {"collectives": 1, "compute": 2}
 
@@ -56,18 +58,17 @@ class Tracer:
         with self._lock:
             self.events.append(event)
 
-    def record(self, handle: Handle[Any], nbytes: int) -> None:
-        """Trace ``handle`` from now until it completes."""
+    def record(self, op: Op, nbytes: int) -> None:
+        """Trace ``op`` from now until it completes."""
         start = _now_us()
-        rank, op = self.rank, handle.op
+        rank, name = self.rank, op.name
 
         def completed() -> None:
-            error = handle._completion.error()
+            error = op.error()
             args = {"bytes": nbytes, "error": None if error is None else str(error)}
-            self._add(_complete(op, start, rank, "collectives", args))
+            self._add(_complete(name, start, rank, "collectives", args))
 
-        handle._hook()  # settle at the real completion time, not when observed
-        handle._completion.add_callback(completed)
+        op.on_done(completed)  # at the real completion time, not when observed
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -122,10 +123,10 @@ class Traced(Protocol):
     world_size: int
 
     @property
-    def tracer(self) -> Tracer | None: ...
+    def tracer(self) -> Recorder | None: ...
 
     @tracer.setter
-    def tracer(self, tracer: Tracer | None) -> None: ...
+    def tracer(self, tracer: Recorder | None) -> None: ...
 
 
 class TraceBlock:
@@ -138,25 +139,25 @@ class TraceBlock:
     nothing is exchanged (a peer may be gone).
     """
 
-    __slots__ = ("_gather", "_lane", "_path", "_started", "_tracer")
+    __slots__ = ("_gather", "_path", "_started", "_traced", "_tracer")
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        lane: Traced,
+        traced: Traced,
         gather: Callable[[list[dict[str, Any]]], Handle[list[Any]]],
     ) -> None:
         self._path = path
-        self._lane = lane
+        self._traced = traced
         self._gather = gather
         self._started = False
-        self._tracer: Tracer | None = None
+        self._tracer: Recorder | None = None
 
     def __enter__(self) -> None:
-        tracer = self._lane.tracer
+        tracer = self._traced.tracer
         self._started = tracer is None
         if tracer is None:
-            tracer = self._lane.tracer = Tracer(self._lane.rank)
+            tracer = self._traced.tracer = Tracer(self._traced.rank)
         self._tracer = tracer
 
     async def __aenter__(self) -> None:
@@ -164,18 +165,18 @@ class TraceBlock:
 
     def _leave(self, failed: bool) -> Handle[list[Any]] | None:
         """Stop tracing; the gather to wait for, on a normal exit."""
-        lane, tracer = self._lane, self._tracer
+        traced, tracer = self._traced, self._tracer
         assert tracer is not None
         if self._started:
-            lane.tracer = None
+            traced.tracer = None
         if failed:
-            events = rank_events(lane.rank, lane.world_size, tracer.snapshot())
-            write(rank_path(self._path, lane.rank), events)
+            events = rank_events(traced.rank, traced.world_size, tracer.snapshot())
+            write(rank_path(self._path, traced.rank), events)
             return None
         return self._gather(tracer.snapshot())
 
     def _write(self, events: list[list[dict[str, Any]]]) -> None:
-        if self._lane.rank == 0:
+        if self._traced.rank == 0:
             write(self._path, events)
 
     def __exit__(

@@ -59,6 +59,7 @@ def _mixed(s: Any) -> dict[str, Any]:
     import torch
 
     from asyncdist import wait_all
+    from asyncdist._handle import op_of
 
     async def main() -> dict[str, Any]:
         metric = torch.ones(4) * (s.rank + 1)  # the quickstart's CPU tensor
@@ -73,7 +74,7 @@ def _mixed(s: Any) -> dict[str, Any]:
             "backend": s.backend,
             "cpu_sum_ok": metric.tolist() == [world * (world + 1) / 2] * 4,
             "cuda_mean_ok": grads[0].item() == (world + 1) / 2,
-            "streamed": [h._streamed for h in handles[:2]],
+            "streamed": [op_of(h).streamed for h in handles[:2]],
         }
 
     return anyio.run(main)

@@ -500,16 +500,16 @@ def _what_travels(s: DistSession) -> dict[str, list[bool]]:
     """For each read-only call, with a contiguous and a strided input: whether
     the tensor launched shares the input's memory (intercepting the lane's
     launch in this rank's process)."""
-    from asyncdist import _comm
+    from asyncdist import _lane
 
     launched: list[Any] = []
-    original = _comm.Comm.launch
+    original = _lane.Lane.launch
 
     def recording(comm: Any, spec: Any) -> Any:
         launched.append(spec)
         return original(comm, spec)
 
-    _comm.Comm.launch = recording  # type: ignore[method-assign]
+    _lane.Lane.launch = recording  # type: ignore[method-assign]
     shared: dict[str, list[bool]] = {}
     try:
         for t in torch.arange(12.0).view(3, 4), torch.arange(12.0).view(4, 3).t():
@@ -522,7 +522,7 @@ def _what_travels(s: DistSession) -> dict[str, list[bool]]:
                     bool(inputs) and inputs[0].data_ptr() == t.data_ptr()
                 )
     finally:
-        _comm.Comm.launch = original  # type: ignore[method-assign]
+        _lane.Lane.launch = original  # type: ignore[method-assign]
     return shared
 
 

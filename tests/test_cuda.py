@@ -14,6 +14,7 @@ import torch
 
 from asyncdist import DistSession, InitError, spawn, wait_all
 from asyncdist._env import choose_backend, choose_device
+from asyncdist._handle import op_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_nccl = pytest.mark.skipif(
@@ -125,8 +126,8 @@ def test_one_session_serves_cpu_tensors_on_gloo_and_cuda_tensors_on_nccl() -> No
         grads = torch.full((1 << 20,), 2.0, device="cuda")
         on_cpu, on_gpu = s.allreduce(metric), s.allreduce(grads, op="mean")
         assert on_cpu.wait() is metric  # CPU: final once the handle completes
-        assert not on_cpu._streamed
-        assert on_gpu._streamed  # CUDA: stream-ordered
+        assert not op_of(on_cpu).streamed
+        assert op_of(on_gpu).streamed  # CUDA: stream-ordered
         both = wait_all([s.allreduce(torch.zeros(2)), s.allreduce(torch.zeros(2, device="cuda"))])
         both.synchronize()
         assert metric.tolist() == [1.0] * 4

@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 
 from asyncdist import DistSession, spawn, wait_all
-from asyncdist._comm import Route, Spec
+from asyncdist._collectives import lane_of
 from asyncdist._env import MIXED, backends_by_device
+from asyncdist._wire import Route, Spec
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def _two_routes(s: DistSession) -> Any:
     """Give the session a "device" route: a gloo group of its own, for float64."""
-    comm = s._comm
+    comm = lane_of(s)
     assert comm is not None
     device_group = dist.new_group(backend="gloo")  # every rank, same order
     comm.routes["device"] = Route(device_group, "gloo", torch.device("cpu"))
@@ -76,8 +77,9 @@ def test_a_device_the_session_does_not_serve_is_refused_before_launch() -> None:
     with DistSession() as s:
         with pytest.raises(ValueError, match=r"is on meta, but this session serves cpu \(gloo\)"):
             s.allreduce(torch.ones(2, device="meta"))
-        assert s._comm is not None
-        s._comm.route_key = lambda t: "xpu" if t.dtype == torch.int64 else t.device.type
+        lane = lane_of(s)
+        assert lane is not None
+        lane.route_key = lambda t: "xpu" if t.dtype == torch.int64 else t.device.type
         with pytest.raises(ValueError, match="serves cpu"):
             s.broadcast(torch.ones(2, dtype=torch.int64))
         assert float(s.allreduce(torch.ones(1)).wait()) == 1.0  # nothing was launched
@@ -86,7 +88,8 @@ def test_a_device_the_session_does_not_serve_is_refused_before_launch() -> None:
 def test_one_call_takes_tensors_of_one_route() -> None:
     with DistSession() as s:
         _two_routes(s)
-        assert s._comm is not None
+        lane = lane_of(s)
+        assert lane is not None
         spec: Spec[Any] = Spec(
             "all_gather",
             "all_gather",
@@ -95,7 +98,7 @@ def test_one_call_takes_tensors_of_one_route() -> None:
             outputs=[torch.ones(1, dtype=torch.float64)],
         )
         with pytest.raises(ValueError, match="one call takes tensors of one device"):
-            s._comm.launch(spec)
+            lane.launch(spec)
         assert float(s.allreduce(torch.ones(1)).wait()) == 1.0
 
 

@@ -13,9 +13,9 @@ from asyncdist._env import (
     bind_loopback,
     detect,
     first_slurm_host,
-    gloo_on_loopback,
     is_loopback,
 )
+from asyncdist._groups import gloo_on_loopback
 from asyncdist.errors import InitError
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from asyncdist import DistSession, GradientSync, spawn
+from asyncdist._grad import buckets_of
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,7 +90,7 @@ def _train(s: DistSession, bucket_mb: float, use_async: bool) -> dict[str, Any]:
     sync.remove()
     model.zero_grad(set_to_none=True)
     torch.nn.functional.cross_entropy(model(_batch(0, 0)[0]), _batch(0, 0)[1]).backward()
-    out["after_remove_launched"] = any(b.handle is not None for b in sync._buckets)
+    out["after_remove_launched"] = any(b.handle is not None for b in buckets_of(sync))
     return out
 
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from asyncdist import AsyncDistError, DistSession, spawn
+from asyncdist._collectives import lane_of
+from asyncdist._grad import buckets_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,8 +186,9 @@ def test_bad_arguments_raise_before_anything_is_launched() -> None:
         for error, match, kwargs, module in cases:
             with pytest.raises(error, match=match):
                 s.gradient_sync(module, **kwargs)
-        assert s._comm is not None
-        assert s._comm._children == [], "a channel was formed"
+        lane = lane_of(s)
+        assert lane is not None
+        assert list(lane.sublanes) == [], "a channel was formed"
 
 
 def _compressed_vs_ddp(s: DistSession, compression: str) -> dict[str, Any]:
@@ -222,8 +225,8 @@ def _compressed_vs_ddp(s: DistSession, compression: str) -> dict[str, Any]:
         return max(float((a - b).abs().max()) for a, b in pairs)
 
     return {
-        "dtypes": [b.buffer.dtype for b in sync._buckets],
-        "wire": [None if b.wire is None else b.wire.dtype for b in sync._buckets],
+        "dtypes": [b.buffer.dtype for b in buckets_of(sync)],
+        "wire": [None if b.wire is None else b.wire.dtype for b in buckets_of(sync)],
         "vs_ddp": gap("ddp"),
         "vs_full": gap("full"),
         "scale": max(float(g.abs().max()) for g in grads["full"]),

@@ -31,7 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from asyncdist._handle import WATCHDOG_GRACE  # noqa: E402
+from asyncdist._progress import WATCHDOG_GRACE  # noqa: E402
 from tools.netns import TwoHosts, missing, missing_firewall  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "netfault_worker.py"

@@ -5,7 +5,7 @@ Code written against that helper keeps working after changing its import::
     from asyncdist.compat import get_rank, get_world_size, allreduce, dist_mode
 
 with the helper's bugs fixed: no hard-coded port and no lasting ``os.environ``
-writes (only the scoped one of ``asyncdist._env.gloo_on_loopback``);
+writes (only the scoped one of ``asyncdist._groups.gloo_on_loopback``);
 ``get_rank``/``get_world_size`` answer 0/1 outside any group instead of
 hiding failures; ``dist_init`` works without CUDA and never computes
 ``rank % device_count``; ``dist_mode`` keeps the return value, finalizes on

@@ -1,0 +1,289 @@
+"""Groups: every process group asyncdist forms, adopts and destroys.
+
+A session tree's groups, and who forms them:
+
+* the world: the default group, formed by ``form_world`` on a session's
+  entry (or adopted, ``adopt_world``, when someone initialised it already);
+* side groups of a lane (``form_side_groups``): one for object traffic, and
+  in debug mode one for fingerprints. Both gloo, over the lane's ranks;
+* a split's blocks (``form_blocks``) and a channel's group (``form_channel``).
+
+Every lane records how it holds its group (``Ownership``) and gives its
+groups back through ``destroy``.
+
+Naming. torch names a group formed with ``use_local_synchronization=True``
+by ``len(_world.pg_names)``, a per-process count of the groups formed so
+far: ranks that form groups in different orders give them different names
+and never meet. So every group is formed eagerly, in program order, on every
+member (a session's entry, ``split``, the first ``channel(name)``), never
+lazily inside the first collective that needs it. The default group's name
+comes from another per-process counter that only
+``destroy_process_group()`` resets (``name_groups_afresh``).
+
+Loopback. gloo binds the address the host name resolves to (often a public
+one) unless ``GLOO_SOCKET_IFNAME`` names an interface, and it reads the
+variable when a group is formed. torch 2.13 offers no per-group way to
+choose it: ``init_process_group(pg_options=...)`` and
+``new_group(pg_options=...)`` drop the options of a gloo backend, and a
+``ProcessGroupGloo`` built with its own devices is not a
+``torch.distributed`` group. A local world (no master given, or a loopback
+master) therefore forms its gloo groups inside ``gloo_on_loopback``, which
+sets the variable for the forming only; it is asyncdist's one write to
+``os.environ``.
+
+Teardown order. gloo runs a future's callbacks on its worker thread while
+that thread still holds the work; if a waiter wakes and the group is
+destroyed at once, the last reference to the group can be dropped on that
+worker thread, gloo then joins itself and the process aborts ("terminate
+called ... Resource deadlock avoided"). So a lane closes in this order, on
+the closing thread: its sub-lanes; its completer threads and (for the root)
+the tree's watchdog, joined; its outstanding handles forgotten; then
+``destroy``: side groups, sub-groups and the group; and only then the
+handles let go of their works (a work keeps its group's transport alive).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import threading
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from ._env import LaunchEnv, backends_by_device
+from ._store import forget, session_store
+from .errors import InitError
+
+logger = logging.getLogger("asyncdist")
+
+# How a lane holds its group: "world" (it initialised the default group and
+# destroys it, side groups included), "group" (a sub-group it destroys with
+# its side groups), "adopted" (someone else's default group: only the side
+# groups are destroyed).
+Ownership = Literal["world", "group", "adopted"]
+
+
+# -- loopback ------------------------------------------------------------------------------
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+# Held for the whole forming of a group by gloo_on_loopback, whether it writes
+# GLOO_SOCKET_IFNAME or not: a group formed elsewhere in asyncdist meanwhile
+# (say, a multi-node session in another thread) would otherwise read the
+# loopback value and bind only to loopback. Reentrant: a forming may nest.
+_GLOO_ENV_LOCK = threading.RLock()
+
+_GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+@contextlib.contextmanager
+def gloo_on_loopback(active: bool) -> Iterator[None]:
+    """Form gloo groups in this block; while active, they listen on loopback
+    only (see the module docstring for why this is an environment write).
+
+    Scope of the write: when ``active``, a loopback interface exists and the
+    user has not set ``GLOO_SOCKET_IFNAME`` themselves, the variable is set in
+    ``os.environ`` on entering the block and removed on leaving it (normally or
+    by exception), unless someone else changed it meanwhile. During the
+    block, every thread of the process sees it. A module-level lock is held
+    for the whole block, active or not, so every asyncdist group forming
+    (which all go through this function) waits until the variable is gone,
+    and never reads another forming's value. Code outside asyncdist that
+    forms gloo groups or reads the variable concurrently is not covered.
+    Keep the block to the forming only: it holds the lock while waiting for
+    peers.
+    """
+    with _GLOO_ENV_LOCK:
+        name = _loopback_interface() if active and _GLOO_IFNAME not in os.environ else None
+        if name is None:
+            yield
+            return
+        os.environ[_GLOO_IFNAME] = name
+        try:
+            yield
+        finally:
+            if os.environ.get(_GLOO_IFNAME) == name:
+                del os.environ[_GLOO_IFNAME]
+
+
+# -- the world -----------------------------------------------------------------------------
+
+
+def name_groups_afresh() -> None:
+    """Let the next default group be named as on every other rank: "0".
+
+    torch names the default group by a per-process counter that only
+    ``destroy_process_group()`` resets, and a failed ``init_process_group``
+    leaves it advanced. After a fault at entry that failed inside init on one
+    rank and before it on another (reaching the store), the ranks' next groups
+    would differ in name, wait for each other's keys under different prefixes,
+    and no later session of those processes could form. Called only while no
+    default group exists, so no group carries a counter-given name. (torch
+    has no public way to do this: it writes ``_world.group_count``.)
+    """
+    distributed_c10d._world.group_count = 0
+
+
+def form_world(
+    env: LaunchEnv,
+    backend: str,
+    device: torch.device,
+    *,
+    init_method: str | None,
+    timeout: float,
+    loopback: bool,
+) -> dist.Store | None:
+    """Initialise the default group; the rendezvous store this session then
+    owns (None with an ``init_method``).
+
+    Raises:
+        InitError: the group did not form (the ranks, the master, the timeout).
+    """
+    store: dist.Store | None = None
+    owned: dist.Store | None = None
+    fresh = False
+    name_groups_afresh()
+    try:
+        if init_method is None:
+            store, owned, fresh = session_store(env, timeout)
+        with gloo_on_loopback(loopback and "gloo" in backend):
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                store=store,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+                device_id=device if "nccl" in backend else None,
+            )
+        return owned
+    except InitError:
+        raise
+    except (RuntimeError, OSError, ValueError) as exc:
+        if fresh:
+            store = owned = None
+            forget(env)  # release the port this failed session bound...
+            traceback.clear_frames(exc.__traceback__)  # ...which torch's frames hold
+        where = init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
+        raise InitError(
+            f"rank {env.rank} of {env.world_size} could not form a {backend} group via "
+            f"{where} within {timeout:g} s ({exc}). Check that all "
+            f"{env.world_size} ranks started, that MASTER_ADDR/MASTER_PORT agree, and "
+            "that the master is reachable."
+        ) from exc
+
+
+def adopt_world(rank: int | None, world_size: int | None) -> tuple[int, int, dict[str, str]]:
+    """The initialised default group's (rank, world size, backend by device type).
+
+    Raises:
+        InitError: it disagrees with the ``rank`` or ``world_size`` asked for.
+    """
+    actual_rank, actual_world = dist.get_rank(), dist.get_world_size()
+    for name, actual, wanted in (
+        ("rank", actual_rank, rank),
+        ("world_size", actual_world, world_size),
+    ):
+        if wanted is not None and wanted != actual:
+            raise InitError(
+                f"the default process group is already initialised with {name}={actual}, "
+                f"but {name}={wanted} was requested"
+            )
+    return actual_rank, actual_world, backends_by_device(str(dist.get_backend()))
+
+
+def world_group() -> Any:
+    """The default group."""
+    return dist.group.WORLD
+
+
+def global_ranks(group: Any, world_size: int) -> list[int]:
+    """The default group's ranks of ``group``'s members, by group rank."""
+    if group is dist.group.WORLD:
+        return list(range(world_size))
+    return [dist.get_global_rank(group, r) for r in range(world_size)]
+
+
+# -- a lane's groups -----------------------------------------------------------------------
+
+
+def form_side_groups(
+    ranks: Sequence[int], kinds: Iterable[str], *, timeout: float, loopback: bool
+) -> dict[str, Any]:
+    """A gloo group over ``ranks`` for each of ``kinds``, formed now, in order.
+
+    Raises:
+        RuntimeError, OSError: a peer did not join in time.
+    """
+    side: dict[str, Any] = {}
+    with gloo_on_loopback(loopback):
+        for kind in kinds:
+            side[kind] = dist.new_group(
+                list(ranks),
+                timeout=datetime.timedelta(seconds=timeout),
+                backend="gloo",
+                use_local_synchronization=True,
+            )
+    return side
+
+
+def form_blocks(
+    ranks: Sequence[int], group_size: int, mine: int, *, timeout: float, loopback: bool
+) -> Any:
+    """Form a group for every block of ``group_size`` consecutive ``ranks``
+    (torch requires every rank to form every group); block ``mine``'s.
+
+    Raises:
+        RuntimeError: a peer did not join in time.
+    """
+    own: Any = None
+    with gloo_on_loopback(loopback):
+        for block in range(len(ranks) // group_size):
+            group = dist.new_group(
+                list(ranks[block * group_size : (block + 1) * group_size]),
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            if block == mine:
+                own = group
+    return own
+
+
+def form_channel(ranks: Sequence[int], *, timeout: float, loopback: bool) -> Any:
+    """A group over ``ranks`` (the default group's backends), formed by them alone.
+
+    Raises:
+        RuntimeError: a peer did not join in time.
+    """
+    with gloo_on_loopback(loopback):
+        return dist.new_group(
+            list(ranks),
+            timeout=datetime.timedelta(seconds=timeout),
+            use_local_synchronization=True,
+        )
+
+
+def destroy(owns: Ownership, group: Any, side: Iterable[Any]) -> None:
+    """Destroy a closing lane's groups, on the closing thread (see the module
+    docstring for what must happen before). A groups already gone is skipped."""
+    groups = [] if owns == "world" else list(side)  # the world takes its groups along
+    if owns == "world":
+        groups.append(None)
+    elif owns == "group":
+        groups.append(group)
+    for each in groups:
+        try:
+            dist.destroy_process_group(each)
+        except (RuntimeError, ValueError, KeyError) as exc:  # already gone
+            logger.debug("destroy_process_group: %s", exc)

@@ -1,0 +1,552 @@
+"""Lane: one ordered stream of collectives over one process group.
+
+Collectives pair up across ranks by issue order *per lane*. A session's
+root lane, each channel's and each split's are lanes, and "lane" means that
+and nothing else in asyncdist. A ``Lane`` holds what the stream needs: its
+group and side groups (object traffic, debug fingerprints; formed in
+``_groups``), its routes by device type, the issuer guard (two tasks issuing
+at once on one lane are refused before launch), its outstanding operations
+(``_op.Op``), its lazy completer threads, its sub-lanes, its leave notices,
+and the session tree's shared record (``_progress.Tree``: health, the one
+watchdog, the tracer, timeout, debug). ``Lane.check`` decides whether the
+lane is usable (closed, or broken by a fault anywhere in the tree).
+
+Collectives reach it as a ``_wire.Spec``: a small declarative description of
+what to issue (which call, which tensors, reduce op, root) and how to finish
+(the step that turns the completed work into the handle's result). One
+``Lane.launch`` issues every spec the same way, through ``_wire`` (the only
+module that calls torch collectives), so tracing and debug verification
+cover every op alike.
+
+``Lane.leave`` tells the peers this rank leaves on purpose; ``Lane.close``
+tears the lane down in the order gloo needs, which the ``_groups`` module
+docstring explains: sub-lanes, then the completer and (for the root) the
+tree's watchdog, joined, then the groups, on the closing thread, and only
+then the outstanding operations let go of their works.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from . import _groups, _ops, _wire
+from ._debug import Fingerprint, Verifier
+from ._groups import Ownership
+from ._handle import Handle, handle_of
+from ._op import Op
+from ._progress import Completer, Recorder, Tree
+from ._store import LeaveNotices
+from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
+from ._wire import Route, Spec, device_type
+from .errors import CollectiveMismatch, Leaving, SessionBroken, SessionClosed, translate
+
+logger = logging.getLogger("asyncdist")
+
+T = TypeVar("T")
+
+
+class Lane:
+    """One lane over one process group: launches specs, tracks their
+    operations, and tears everything down in the order gloo needs.
+
+    ``owns``: how the lane holds its group (``_groups.Ownership``).
+    Made by ``Lane.root`` (a new session tree) or by ``split``/``channel``.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        tree: Tree,
+        *,
+        rank: int,
+        world_size: int,
+        owns: Ownership,
+        label: str = "the session",
+        parent: Lane | None = None,
+        notices: LeaveNotices | None = None,
+    ) -> None:
+        self.group = group
+        self.tree = tree
+        self.label = label
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = tree.backend  # the device's backend (its route's)
+        self.device = device = tree.device
+        # by device type; the session's device first. ``cpu_route``: a CUDA
+        # lane whose group also carries CPU tensors on gloo
+        self.routes: dict[str, Route] = {device.type: Route(group, tree.backend, device)}
+        if tree.cpu_route and device.type != "cpu":
+            self.routes["cpu"] = Route(group, "gloo", torch.device("cpu"))
+        self.route_key: Callable[[torch.Tensor], str] = (
+            device_type if parent is None else parent.route_key
+        )
+        self.timeout = tree.timeout
+        self.debug = tree.debug
+        self.loopback = tree.loopback
+        self.health = tree.health
+        self._owns = owns
+        self._parent = parent
+        self._children: list[Lane] = []
+        self._side: dict[str, Any] = {}
+        self._outstanding: collections.deque[Op] = collections.deque()
+        self._verifier = Verifier(rank) if tree.debug else None
+        self._closed = False
+        self._issuer: IssuerKey | None = None  # who issued last
+        self._issuer_name = ""
+        self._completer = Completer(f"asyncdist-completer-r{rank}")  # its threads start lazily
+        tree.watchdog.watch(self._outstanding)  # the tree's one watchdog thread
+        self._notices = notices  # how peers learn that this rank left on purpose
+        self._issued = 0  # collectives launched on this lane
+        self._splits = 0  # sub-lanes formed by split
+
+    @classmethod
+    def root(
+        cls,
+        group: Any,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        timeout: float,
+        owns: Ownership,
+        debug: bool = False,
+        loopback: bool = False,
+        cpu_route: bool = False,
+    ) -> Lane:
+        """The root lane of a new session tree, with the tree's shared record
+        (and its watchdog thread)."""
+        tree = Tree.start(
+            rank=rank,
+            timeout=timeout,
+            debug=debug,
+            loopback=loopback,
+            backend=backend,
+            device=device,
+            cpu_route=cpu_route,
+        )
+        if owns == "world":
+            tree.notices = LeaveNotices.for_world(world_size, "the session")
+        return cls(group, tree, rank=rank, world_size=world_size, owns=owns, notices=tree.notices)
+
+    # -- groups -------------------------------------------------------------------
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """The default group's ranks of this lane's members, by lane rank."""
+        return _groups.global_ranks(self.group, self.world_size)
+
+    def form_side_groups(self) -> None:
+        """Form the side groups now, while waiting for peers is expected (the
+        session's entry, ``split`` and ``channel`` run off the event loop in
+        async code), not inside the first object collective.
+
+        Every lane, each channel included, keeps its own objects group:
+        object collectives are two steps (sizes, then payload) run on a
+        completer thread, which on the lane's own group would interleave with
+        the collectives issued meanwhile. Forming it lazily, at the first
+        object collective, is unsafe: torch names a group formed with
+        ``use_local_synchronization=True`` by ``len(_world.pg_names)``, so
+        ranks that form groups in different orders would name it differently
+        (see ``_groups``).
+
+        Raises:
+            RuntimeError, OSError: a peer did not join in time.
+        """
+        kinds = ("objects", "debug") if self.debug else ("objects",)
+        self._side = _groups.form_side_groups(
+            self.global_ranks, kinds, timeout=self.timeout, loopback=self.loopback
+        )
+
+    def split(self, group_size: int) -> Lane:
+        """A lane over this rank's block of ``group_size`` consecutive ranks,
+        sharing this lane's health (a fault anywhere breaks the whole job).
+
+        Every rank forms every block's group, as torch requires. The caller
+        checked ``group_size``.
+
+        Raises:
+            CollectiveError: a peer did not join in time (the session breaks).
+        """
+        ranks, mine = self.global_ranks, self.rank // group_size
+        try:
+            own = _groups.form_blocks(
+                ranks,
+                group_size,
+                mine,
+                timeout=self.timeout,
+                loopback=self.loopback and self.uses_gloo,
+            )
+        except RuntimeError as exc:
+            raise self.health.fail(exc, op="split") from exc
+        first = ranks[mine * group_size]
+        label = f"the sub-session of ranks {first}..{first + group_size - 1}"
+        notices = None
+        if self._notices is not None:
+            members = ranks[mine * group_size : (mine + 1) * group_size]
+            notices = self._notices.child(f"split{self._splits}", members, label)
+        self._splits += 1
+        return self._child(own, self.rank % group_size, group_size, "split", label, notices)
+
+    def channel(self, name: str) -> Lane:
+        """A lane over the same ranks with groups of its own (its collectives
+        never pair with this lane's), sharing this lane's health.
+
+        Only this lane's members take part (a sub-session's channel is formed
+        by its block alone).
+
+        Raises:
+            CollectiveError: a peer did not join in time (the session breaks).
+        """
+        try:
+            group = _groups.form_channel(
+                self.global_ranks,
+                timeout=self.timeout,
+                loopback=self.loopback and self.uses_gloo,
+            )
+        except RuntimeError as exc:
+            raise self.health.fail(exc, op="channel") from exc
+        label = f"channel {name!r}"
+        notices = None
+        if self._notices is not None:
+            notices = self._notices.child(f"channel:{name}", self.global_ranks, label)
+        return self._child(group, self.rank, self.world_size, "channel", label, notices)
+
+    def _child(
+        self,
+        group: Any,
+        rank: int,
+        world_size: int,
+        op: str,
+        label: str,
+        notices: LeaveNotices | None = None,
+    ) -> Lane:
+        child = Lane(
+            group,
+            self.tree,
+            rank=rank,
+            world_size=world_size,
+            owns="group",
+            parent=self,
+            label=label,
+            notices=notices,
+        )
+        self._children.append(child)
+        try:
+            child.form_side_groups()
+        except RuntimeError as exc:
+            child.close()
+            raise self.health.fail(exc, op=op) from exc
+        return child
+
+    # -- routing -------------------------------------------------------------------
+
+    @property
+    def uses_gloo(self) -> bool:
+        return any(route.backend == "gloo" for route in self.routes.values())
+
+    def serves(self) -> str:
+        """The devices this lane serves, for messages: ``cuda:0 (nccl) and cpu (gloo)``."""
+        return " and ".join(str(route) for route in self.routes.values())
+
+    def route(self, tensor: Any, *, collective: str, what: str = "tensor") -> Route:
+        """The route of ``tensor`` (a non-tensor gets the session's device's
+        route; the argument checks then refuse it).
+
+        Raises:
+            ValueError: a tensor on a device this lane does not serve (a meta
+                tensor, another GPU than the session's).
+        """
+        primary = next(iter(self.routes.values()))
+        if not isinstance(tensor, torch.Tensor):
+            return primary
+        route = self.routes.get(self.route_key(tensor))
+        if route is None and primary.backend == "gloo" and tensor.device.type == "cuda":
+            return primary  # a gloo-only lane stages CUDA tensors through the host
+        if route is None or (route.device.type == "cuda" and tensor.device != route.device):
+            raise ValueError(
+                f"{collective}: {what} is on {tensor.device}, but this session serves "
+                f"{self.serves()}; move it with .to({str(primary.device)!r})"
+            )
+        return route
+
+    def _route_of(self, spec: Spec[Any]) -> Route:
+        """The one route of every tensor of ``spec`` (no tensor: the device's).
+
+        Raises:
+            ValueError: the call mixes tensors of two routes.
+        """
+        if len(self.routes) == 1:  # the argument checks refused other devices already
+            return next(iter(self.routes.values()))
+        tensors = [*spec.inputs, *(spec.outputs or ())]
+        if not tensors:
+            return next(iter(self.routes.values()))
+        routes = {
+            id(route): route for route in (self.route(t, collective=spec.op) for t in tensors)
+        }
+        if len(routes) > 1:
+            raise ValueError(
+                f"{spec.op}: one call takes tensors of one device, got "
+                f"{', '.join(sorted({str(t.device) for t in tensors}))}"
+            )
+        return next(iter(routes.values()))
+
+    # -- tracing -------------------------------------------------------------------
+
+    @property
+    def tracer(self) -> Recorder | None:
+        """The tracer recording the collectives of this lane's tree."""
+        return self.tree.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Recorder | None) -> None:
+        self.tree.tracer = tracer
+
+    # -- launching -----------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether a collective of this lane is still outstanding."""
+        return any(not handle.done() for handle in self._outstanding)
+
+    def launch(self, spec: Spec[T]) -> Handle[T]:
+        """Issue ``spec`` now (in debug mode: once every rank agreed on it) and
+        return its handle.
+
+        Raises:
+            CollectiveError: torch refused the call before anything was sent.
+            CollectiveMismatch: (debug mode, sync callers) ranks disagree.
+        """
+        route = None if _wire.is_exchange(spec) else self._route_of(spec)
+        outstanding = self._outstanding
+        while outstanding and outstanding[0].done():
+            retired = outstanding.popleft()
+            if not retired.streamed:  # no stream to order: the result needs no work
+                retired.release(None)  # (close() releases the others)
+        issuer = issuer_key()
+        if issuer != self._issuer:
+            self._switch_issuer(issuer, spec.op)
+        received: list[Any] | None = None
+        finish: Callable[[], Any] = spec.finish
+        if _wire.is_exchange(spec):
+            received = []
+            box = received
+
+            def finish() -> Any:
+                return spec.finish(box[0])
+
+        self._issued += 1
+        op = Op(spec.op, self.health, finish, self._notices, self._issued)
+        if self._verifier is None:
+            self._issue(op, spec, received, route)
+        else:
+            self._issue_verified(op, spec, received, route)
+        outstanding.append(op)
+        tracer = self.tree.tracer
+        if tracer is not None:
+            described = spec.inputs if spec.described is None else spec.described
+            tracer.record(op, _ops.nbytes(described) + len(spec.payload))
+        return handle_of(op)
+
+    def _switch_issuer(self, issuer: IssuerKey, op: str) -> None:
+        """Another task or thread issues on this lane: fine once the lane is
+        idle, or when the two cannot run at once; while a collective of the
+        last issuer is outstanding, two concurrent issuers interleave in an
+        order that can differ between ranks, so refuse (at no communication
+        cost: this rank alone decides)."""
+        name = current_issuer()
+        last = self._issuer
+        if last is not None and not one_after_another(last, issuer) and self.busy():
+            raise CollectiveMismatch(
+                f"{op} on rank {self.rank}: two tasks at once issue on {self.label} "
+                f"({self._issuer_name} still has a collective outstanding, and {name} "
+                "issues another). Collectives pair up across ranks by issue order, which "
+                "two tasks cannot keep alike on every rank. Give each task its own lane: "
+                "ch = session.channel('name') (formed by every rank), or await the first "
+                "task's collectives before the second issues. Nothing was launched."
+            )
+        self._issuer, self._issuer_name = issuer, name
+
+    def _issue(
+        self,
+        op: Op,
+        spec: Spec[Any],
+        received: list[Any] | None,
+        route: Route | None,
+        *,
+        deferred: bool = False,
+    ) -> None:
+        if received is not None:
+            # Two steps on the side group, in program order on one thread:
+            # issued from a callback, the second step would race with what
+            # the program issues meanwhile (see ``_wire``).
+            group = self._side["objects"]
+            world, rank = self.world_size, self.rank
+
+            def run() -> None:
+                received.append(_wire.exchange(group, spec, world, rank))
+
+            self._completer.submit("objects", lambda: op.settle(run))
+            return
+        assert route is not None
+        try:
+            work = _wire.issue(route.group, spec)
+        except (RuntimeError, ValueError) as exc:
+            # refused by torch before anything reached the wire
+            raise translate(
+                exc,
+                op=spec.op,
+                rank=self.rank,
+                timeout=self.timeout,
+                left=op.departure_reader(),
+                debug=self.debug,
+            ) from exc
+        key = _wire.futureless(spec) if route.backend == "gloo" else None
+        if key is not None:
+            self._completer.submit(f"{route.device.type}:{key}", lambda: op.settle(work.wait))
+        else:
+            op.attach(work, streamed=route.backend == "nccl", hook=deferred)
+
+    def _issue_verified(
+        self,
+        op: Op,
+        spec: Spec[Any],
+        received: list[Any] | None,
+        route: Route | None,
+    ) -> None:
+        """Debug mode: agree with every rank on the call, then issue it.
+
+        The exchange waits for peers, so it runs on the lane's debug thread,
+        in program order, never on an event loop: async callers get the
+        handle at once (a mismatch arrives with it); sync callers wait for
+        the agreement and get the mismatch raised at the call.
+        """
+        assert self._verifier is not None
+        fingerprint = None
+        if spec.call not in _wire.POINT_TO_POINT:  # two ranks only: nothing to compare
+            fingerprint = self._verifier.fingerprint(
+                spec.op,
+                spec.inputs if spec.described is None else spec.described,
+                reduce="" if spec.reduce is None else spec.reduce.name,
+                root=spec.root,
+                pairwise=spec.pairwise,
+            )
+        refused: list[BaseException] = []
+        agreed = threading.Event()
+
+        def agree_then_issue() -> None:
+            try:
+                if fingerprint is not None:
+                    self._agree(spec.op, fingerprint, op)
+                # on the debug thread, in the caller's grad/inference mode
+                op.as_caller(lambda: self._issue(op, spec, received, route, deferred=True))
+            except BaseException as exc:  # noqa: BLE001 - it reaches the caller or the handle
+                refused.append(exc)
+                op.fail(exc)
+            finally:
+                agreed.set()
+
+        self._completer.submit("debug", agree_then_issue)
+        if not in_async_context():
+            agreed.wait()
+            if refused:
+                op.observed = True
+                raise refused[0]
+
+    def _agree(self, name: str, fingerprint: Fingerprint, op: Op) -> None:
+        assert self._verifier is not None
+        try:
+            exchanged = _wire.exchange_fingerprints(
+                self._side["debug"], fingerprint.encode(), self.world_size
+            )
+        except RuntimeError as exc:
+            raise self.health.fail(exc, op=name, left=op.departure_reader()) from exc
+        prints = [Fingerprint.decode(data) for data in exchanged]
+        self._verifier.check(name, prints)
+
+    # -- leaving -------------------------------------------------------------------
+
+    def drain(self) -> list[Op]:
+        """The ops still outstanding here and in sub-lanes, in issue order
+        (none once broken: outstanding work failed already or is lost; the
+        backend timeout bounds it, and destroying the group waits for it)."""
+        if self.health.fault is not None:
+            return []
+        handles = list(self._outstanding)
+        for child in self._children:
+            handles += child.drain()
+        return handles
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def sublanes(self) -> tuple[Lane, ...]:
+        """The lanes formed inside this one (channels, splits) and still open."""
+        return tuple(self._children)
+
+    def check(self, op: str) -> Lane:
+        """This lane, if ``op`` may be issued on it now.
+
+        Raises:
+            SessionClosed: the lane was closed (its session was left).
+            SessionBroken: a fault broke the session tree; marks it seen.
+        """
+        if self._closed:
+            raise SessionClosed(
+                f"{op} on rank {self.rank}: the session is closed; issue collectives inside "
+                "`with DistSession() as s:` (or `async with`)"
+            )
+        fault = self.health.fault
+        if fault is not None:
+            self.health.fault_seen = True
+            raise SessionBroken(
+                f"{op} on rank {self.rank}: the session is broken by an earlier failure "
+                f"({type(fault).__name__}); leave it and start a new one (or let torchrun "
+                "restart the job)"
+            ) from fault
+        return self
+
+    def leave(self, how: Leaving) -> None:
+        """Tell the peers that this rank leaves this lane (and the lanes inside
+        it) on purpose, before any group is destroyed: a peer still waiting in
+        a collective then learns why its connection closed. ``how``: how the
+        block ended (normally, by an exception, an interrupt, a cancellation).
+        Skipped once broken (the fault explains it). Bounded by
+        ``NOTICE_TIMEOUT``; one store request when all is well."""
+        if self._notices is not None and not self._closed and self.health.fault is None:
+            self._notices.post(self.health.rank, how)
+
+    def close(self) -> None:
+        """Release everything, in the order that keeps gloo from aborting
+        (the ``_groups`` module docstring says why). Closing twice is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        for child in list(self._children):
+            child.close()
+        self._completer.close(timeout=self.timeout)
+        if self._parent is None:
+            self.tree.close()  # the tree's watchdog: the root closes last
+        else:
+            self.tree.watchdog.unwatch(self._outstanding)
+        handles = list(self._outstanding)
+        self._outstanding.clear()
+        side, self._side = list(self._side.values()), {}
+        _groups.destroy(self._owns, self.group, side)
+        # Once the groups are gone, handles the program (or a fault's traceback)
+        # still holds let go of their works, which keep gloo's transport alive.
+        for op in handles:
+            op.release(self.health.fault)
+        if self._parent is not None and self in self._parent._children:
+            self._parent._children.remove(self)
+        if self._parent is None and self._notices is not None:
+            self._notices.release()  # no handle keeps the store (or its port) alive
+        self.group = None
+        self.routes = {}  # nor a route its group
