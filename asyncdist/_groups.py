@@ -52,13 +52,23 @@ import socket
 import threading
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ._env import LaunchEnv, backends_by_device
+from ._env import (
+    MIXED,
+    LaunchEnv,
+    backends_by_device,
+    choose_backend,
+    choose_device,
+    detect,
+    is_loopback,
+    launcher_local_rank,
+)
 from ._store import forget, session_store
 from .errors import InitError
 
@@ -209,6 +219,95 @@ def world_group() -> Any:
     return dist.group.WORLD
 
 
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """What a session asks of the world: its constructor's arguments."""
+
+    timeout: float
+    backend: str | None = None
+    init_method: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    device: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """The default group as a session's root lane holds it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str  # the device's backend
+    device: torch.device
+    owns: Ownership  # "world": formed here (and destroyed on exit); "adopted"
+    cpu_route: bool = False  # a CUDA world whose group also carries CPU tensors on gloo
+    loopback: bool = False  # its gloo groups form inside gloo_on_loopback
+    store: dist.Store | None = None  # the rendezvous store this process formed
+
+
+def enter_world(wanted: Wanted) -> World:
+    """Adopt the default group if someone initialised it, else form it.
+
+    Raises:
+        InitError: the group did not form, or the one there disagrees with
+            what was asked for.
+    """
+    if dist.is_initialized():
+        rank, world, backends = adopt_world(wanted.rank, wanted.world_size)
+        local_rank = launcher_local_rank()
+        local_rank = rank if local_rank is None else local_rank
+        device = choose_device(wanted.device, backends.get("cuda", "gloo"), local_rank)
+        if device.type not in backends:
+            device = torch.device("cpu")
+        return World(
+            rank,
+            world,
+            local_rank,
+            backends[device.type],
+            device,
+            "adopted",
+            cpu_route=device.type == "cuda" and backends.get("cpu") == "gloo",
+        )
+    env = detect(
+        rank=wanted.rank,
+        world_size=wanted.world_size,
+        master_addr=wanted.master_addr,
+        master_port=wanted.master_port,
+    )
+    device = choose_device(wanted.device, wanted.backend, env.local_rank)
+    backend = choose_backend(wanted.backend, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    loopback = wanted.init_method is None and (
+        env.master_port is None or is_loopback(env.master_addr)
+    )
+    # like torch's default group: CUDA tensors on NCCL, CPU tensors on gloo,
+    # unless a backend was asked for
+    mixed = wanted.backend is None and device.type == "cuda"
+    store = form_world(
+        env,
+        MIXED if mixed else backend,
+        device,
+        init_method=wanted.init_method,
+        timeout=wanted.timeout,
+        loopback=loopback,
+    )
+    return World(
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        backend,
+        device,
+        "world",
+        cpu_route=mixed,
+        loopback=loopback,
+        store=store,
+    )
+
+
 def global_ranks(group: Any, world_size: int) -> list[int]:
     """The default group's ranks of ``group``'s members, by group rank."""
     if group is dist.group.WORLD:
@@ -287,3 +386,11 @@ def destroy(owns: Ownership, group: Any, side: Iterable[Any]) -> None:
             dist.destroy_process_group(each)
         except (RuntimeError, ValueError, KeyError) as exc:  # already gone
             logger.debug("destroy_process_group: %s", exc)
+
+
+def destroy_world() -> None:
+    """Destroy the default group (and every group formed over it) that no
+    session holds: DI-engine's ``dist_finalize`` after someone else's
+    ``init_process_group``. Nothing to do if there is none."""
+    if dist.is_initialized():
+        destroy("world", None, ())

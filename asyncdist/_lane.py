@@ -44,7 +44,7 @@ from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
 from ._wire import Route, Spec, device_type
-from .errors import CollectiveMismatch, Leaving, SessionBroken, SessionClosed, translate
+from .errors import CollectiveMismatch, Leaving, SessionBroken, SessionClosed
 
 logger = logging.getLogger("asyncdist")
 
@@ -106,34 +106,28 @@ class Lane:
         self._splits = 0  # sub-lanes formed by split
 
     @classmethod
-    def root(
-        cls,
-        group: Any,
-        *,
-        rank: int,
-        world_size: int,
-        backend: str,
-        device: torch.device,
-        timeout: float,
-        owns: Ownership,
-        debug: bool = False,
-        loopback: bool = False,
-        cpu_route: bool = False,
-    ) -> Lane:
-        """The root lane of a new session tree, with the tree's shared record
-        (and its watchdog thread)."""
+    def root(cls, world: _groups.World, *, timeout: float, debug: bool = False) -> Lane:
+        """The root lane of a new session tree over the default group, with
+        the tree's shared record (and its watchdog thread)."""
         tree = Tree.start(
-            rank=rank,
+            rank=world.rank,
             timeout=timeout,
             debug=debug,
-            loopback=loopback,
-            backend=backend,
-            device=device,
-            cpu_route=cpu_route,
+            loopback=world.loopback,
+            backend=world.backend,
+            device=world.device,
+            cpu_route=world.cpu_route,
         )
-        if owns == "world":
-            tree.notices = LeaveNotices.for_world(world_size, "the session")
-        return cls(group, tree, rank=rank, world_size=world_size, owns=owns, notices=tree.notices)
+        if world.owns == "world":
+            tree.notices = LeaveNotices.for_world(world.world_size, "the session")
+        return cls(
+            _groups.world_group(),
+            tree,
+            rank=world.rank,
+            world_size=world.world_size,
+            owns=world.owns,
+            notices=tree.notices,
+        )
 
     # -- groups -------------------------------------------------------------------
 
@@ -398,14 +392,7 @@ class Lane:
             work = _wire.issue(route.group, spec)
         except (RuntimeError, ValueError) as exc:
             # refused by torch before anything reached the wire
-            raise translate(
-                exc,
-                op=spec.op,
-                rank=self.rank,
-                timeout=self.timeout,
-                left=op.departure_reader(),
-                debug=self.debug,
-            ) from exc
+            raise self.health.translate(exc, op=spec.op, left=op.departure_reader()) from exc
         key = _wire.futureless(spec) if route.backend == "gloo" else None
         if key is not None:
             self._completer.submit(f"{route.device.type}:{key}", lambda: op.settle(work.wait))

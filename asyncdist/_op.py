@@ -53,7 +53,6 @@ from .errors import (
     CollectiveTimeout,
     Departure,
     finish_failed,
-    translate,
 )
 
 if TYPE_CHECKING:
@@ -333,14 +332,7 @@ class Op:
         try:
             check()
         except BaseException as exc:  # noqa: BLE001 - everything must reach the waiter
-            error = translate(
-                exc,
-                op=self.name,
-                rank=health.rank,
-                timeout=health.timeout,
-                left=self.departure_reader(),
-                debug=health.debug,
-            )
+            error = health.translate(exc, op=self.name, left=self.departure_reader())
             if error is not exc:
                 # The backend's traceback is this frame and, through it, its
                 # callers' (with their works and groups): the session keeps its

@@ -81,6 +81,19 @@ class Health:
         if isinstance(error, AsyncDistError) and not isinstance(error, FinishError):
             self.fault_seen = True
 
+    def translate(
+        self,
+        exc: BaseException,
+        *,
+        op: str,
+        left: Callable[[], Departure | None] | None = None,
+    ) -> AsyncDistError:
+        """``errors.translate`` for this session's rank, timeout and debug mode
+        (``left``: see there); breaks nothing."""
+        return translate(
+            exc, op=op, rank=self.rank, timeout=self.timeout, left=left, debug=self.debug
+        )
+
     def fail(
         self,
         exc: BaseException,
@@ -91,9 +104,7 @@ class Health:
         """Translate a backend error raised straight to the caller, break the
         session with it and mark it seen; the caller raises the result.
         ``left``: see ``translate``."""
-        error = translate(
-            exc, op=op, rank=self.rank, timeout=self.timeout, left=left, debug=self.debug
-        )
+        error = self.translate(exc, op=op, left=left)
         if error is not exc:
             error.__cause__ = exc
         self.record_fault(error)

@@ -29,12 +29,6 @@ from ._channel import Channel, Channels, check_channel_name
 from ._collectives import Collectives
 from ._debug import debug_from_env
 from ._env import (
-    MIXED,
-    choose_backend,
-    choose_device,
-    detect,
-    is_loopback,
-    launcher_local_rank,
     timeout_seconds,
 )
 from ._grad import GradientSync, Options, detach
@@ -118,12 +112,10 @@ class DistSession(Collectives):
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:
             check_channel_name(name)
-        self._requested_backend = backend
-        self._init_method = init_method
-        self._requested_rank, self._requested_world = rank, world_size
-        self._requested_master = (master_addr, master_port)
         self._timeout = timeout_seconds(timeout)
-        self._requested_device = device
+        self._wanted = _groups.Wanted(
+            self._timeout, backend, init_method, rank, world_size, master_addr, master_port, device
+        )
         self._debug = debug or debug_from_env()
         self._trace_path: str | os.PathLike[str] | None = (
             None if trace is False else "asyncdist-trace.json" if trace is True else trace
@@ -242,8 +234,9 @@ class DistSession(Collectives):
                 f"the DistSession of rank {self.rank} was closed; create a new DistSession "
                 "to start again"
             )
-        comm = self._adopt() if dist.is_initialized() else self._init_group()
-        self._lane = comm
+        world = _groups.enter_world(self._wanted)
+        self._local_rank, self._owned_store = world.local_rank, world.store
+        comm = self._lane = Lane.root(world, timeout=self._timeout, debug=self._debug)
         if self._trace_path is not None:
             comm.tracer = Tracer(comm.rank)
         self._state = State.OPEN
@@ -258,66 +251,6 @@ class DistSession(Collectives):
                 f"groups or channels did not within {self._timeout:g} s ({exc}). Check that "
                 "every rank is still running and declares the same channels."
             ) from exc
-
-    def _adopt(self) -> Lane:
-        rank, world, backends = _groups.adopt_world(self._requested_rank, self._requested_world)
-        local_rank = launcher_local_rank()
-        self._local_rank = rank if local_rank is None else local_rank
-        device = choose_device(
-            self._requested_device, backends.get("cuda", "gloo"), self._local_rank
-        )
-        if device.type not in backends:
-            device = torch.device("cpu")
-        return Lane.root(
-            _groups.world_group(),
-            rank=rank,
-            world_size=world,
-            backend=backends[device.type],
-            device=device,
-            cpu_route=device.type == "cuda" and backends.get("cpu") == "gloo",
-            timeout=self._timeout,
-            owns="adopted",
-            debug=self._debug,
-        )
-
-    def _init_group(self) -> Lane:
-        env = detect(
-            rank=self._requested_rank,
-            world_size=self._requested_world,
-            master_addr=self._requested_master[0],
-            master_port=self._requested_master[1],
-        )
-        device = choose_device(self._requested_device, self._requested_backend, env.local_rank)
-        backend = choose_backend(self._requested_backend, device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        loopback = self._init_method is None and (
-            env.master_port is None or is_loopback(env.master_addr)
-        )
-        # like torch's default group: CUDA tensors on NCCL, CPU tensors on gloo,
-        # unless a backend was asked for
-        mixed = self._requested_backend is None and device.type == "cuda"
-        self._owned_store = _groups.form_world(
-            env,
-            MIXED if mixed else backend,
-            device,
-            init_method=self._init_method,
-            timeout=self._timeout,
-            loopback=loopback,
-        )
-        self._local_rank = env.local_rank
-        return Lane.root(
-            _groups.world_group(),
-            rank=env.rank,
-            world_size=env.world_size,
-            backend=backend,
-            device=device,
-            cpu_route=mixed,
-            timeout=self._timeout,
-            owns="world",
-            debug=self._debug,
-            loopback=loopback,
-        )
 
     def _drain(self) -> list[Op]:
         """The collectives still outstanding, in issue order (none if not open)."""

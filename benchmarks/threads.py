@@ -29,7 +29,9 @@ def threads() -> int:
 
 
 def idle_cpu(seconds: float) -> float:
-    """The share of one core this process used while idle for ``seconds``."""
+    """The share of one core this process used while idle for ``seconds``
+    (after half a second to settle: forming a group finishes in the background)."""
+    time.sleep(0.5)
     cpu, wall = time.process_time(), time.monotonic()
     time.sleep(seconds)
     return (time.process_time() - cpu) / (time.monotonic() - wall)

@@ -29,6 +29,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from .. import _groups
 from .._handle import Handle, combined
 from .._session import DistSession
 from .._wakeup import issuing_as
@@ -274,8 +275,8 @@ def dist_finalize() -> None:
         groups.clear()
         if current is not None:
             current.close()
-        elif dist.is_initialized():
-            dist.destroy_process_group()
+        else:
+            _groups.destroy_world()
 
 
 def dist_mode(init: Callable[[], object]) -> Callable[[F], F]:
