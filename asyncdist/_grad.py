@@ -259,8 +259,10 @@ class _Bucket:
         return self.buffer[start : start + param.numel()].view_as(param)
 
 
-# optimizers a _Stepper is stepping right now: no sync's guard refuses those
-# calls (its own, or another sync's after the first was removed)
+# Optimizers a _Stepper is stepping right now: no sync's guard refuses those
+# calls. Process-wide, not per sync: an optimizer's step pre-hooks are its
+# own, so a guard left by a removed sync (or one of another session's) sees
+# the same step and must let it through as well.
 _STEPPING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
