@@ -20,6 +20,7 @@ BENCHMARKS = (
     "debug_cost",
     "loop_stall",
     "threads",
+    "scaling",
     "concurrency",
     "overlap",
     "bandwidth",

@@ -34,6 +34,7 @@ import fusion  # noqa: E402
 import latency  # noqa: E402
 import loop_stall  # noqa: E402
 import overlap  # noqa: E402
+import scaling  # noqa: E402
 import threads  # noqa: E402
 
 from asyncdist.__main__ import add_bench_arguments  # noqa: E402  (the options, defined once)
@@ -45,6 +46,19 @@ SUITE = {
     "debug_cost": (debug_cost.main, ["--rounds", "7"], ["--rounds", "3"]),
     "loop_stall": (loop_stall.main, ["--rounds", "3"], ["--rounds", "1"]),
     "threads": (threads.main, ["--idle", "3"], ["--idle", "0.5"]),
+    "scaling": (
+        scaling.main,
+        ["--rounds", "5"],
+        [
+            "--world-sizes=2",
+            "--rounds=2",
+            "--reps=1",
+            "--bursts=100,1000",
+            "--handles=1000",
+            "--memory=100,1000",
+            "--smoke",
+        ],
+    ),
     "concurrency": (
         concurrency.main,
         ["--reps", "10"],

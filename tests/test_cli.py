@@ -273,6 +273,29 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
     title, columns, rows, _ = benchmarks.threads.summarize(at_rest, 4)
     tables["threads"] = common.table(title, columns, rows)
 
+    entry = {"raw": [0.0412], "session": [0.1234], "init": [0.0407], "side": [0.0398]}
+    entry |= {"rest": [0.0429]}
+    entry |= {"root": [0.0021], "barrier": [0.0134]}
+    burst = {
+        str(n): {"raw_issue": [1.2e-5], "raw_all": [1.2345e-3], "ad_issue": [9.9e-5]}
+        | {"ad_all": [2.468e-3]}
+        for n in benchmarks.scaling.BURSTS
+    }
+    memory = {
+        "1000": {"raw": [2003.0], "ad": [2083.0]},
+        "10000": {"raw": [2000.0], "ad": [12103.0]},
+    }
+    scaled = {
+        "entry": entry,
+        "burst": burst,
+        "wait_all": {"wait": [1.234e-5], "await": [2.345e-5], "raw": [2.1e-7]},
+        "memory": memory,
+    }
+    title, columns, rows, _ = benchmarks.scaling.summarize(
+        {ws: [scaled] * ws for ws in (2, 4, 8)}, smoke
+    )
+    tables["scaling"] = common.table(title, columns, rows, smoke=smoke)
+
     link = {
         "median_s": {"idle": 0.00099},
         "same_lane_x_idle": 3125.4,
@@ -335,15 +358,16 @@ def test_quick_run_does_not_judge_the_goals(benchmarks: ModuleType) -> None:
     """``--quick`` (a smoke run) shows the goals unjudged, saying why; a full
     run still reports a miss."""
     judged = _synthetic_tables(benchmarks, smoke=False)
-    for name in ("latency", "fusion", "overlap", "bandwidth", "ddp"):
+    for name in ("latency", "fusion", "overlap", "bandwidth", "ddp", "scaling"):
         assert "MISSED" in _render(judged[name], 80), name
     for name, table in _synthetic_tables(benchmarks, smoke=True).items():
         text = _render(table, 80)
         assert "MISSED" not in text, f"{name}:\n{text}"
-        if name in ("latency", "fusion", "overlap", "bandwidth", "ddp"):
+        if name in ("latency", "fusion", "overlap", "bandwidth", "ddp", "scaling"):
             assert "smoke run (--quick)" in text, f"{name}:\n{text}"
     # every benchmark with goals is told so under --quick, and only there
     for name, (_, full, quick) in benchmarks.SUITE.items():
-        if name in ("latency", "fusion", "concurrency", "overlap", "bandwidth", "ddp"):
+        goals = ("latency", "fusion", "concurrency", "overlap", "bandwidth", "ddp", "scaling")
+        if name in goals:
             assert "--smoke" in quick, name
         assert "--smoke" not in full, name
