@@ -10,7 +10,8 @@ stream of collectives is identical everywhere:
 
 * first backward: buckets follow the reverse order of ``module.parameters()``
   (roughly the order backward produces gradients), with a small first bucket
-  so communication starts early, as DDP does;
+  so communication starts early, as DDP does, and a small last one so little
+  is left on the wire when backward ends (``layout``);
 * after it, the buckets are rebuilt from the order gradients actually arrived
   on rank 0 (broadcast to all ranks once), so later steps fill each bucket
   with gradients that become ready together.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import weakref
 from collections.abc import Generator, Iterable, Iterator
@@ -231,32 +233,102 @@ def _check_not_synced(
             )
 
 
+# the first and the last bucket are never made smaller than this
+EDGE_FLOOR = 64 << 10
+
+
+def layout(
+    sizes: list[int], dtypes: list[torch.dtype], *, cap: int, edge_cap: int
+) -> list[list[int]]:
+    """Buckets over gradients in arrival order (their sizes in bytes, their
+    dtypes): lists of positions, each bucket of one dtype, in launch order.
+
+    A bucket closes once it reaches ``cap``. The first and the last bucket
+    are small: the first so that communication starts early in backward (as
+    DDP's first bucket), the last so that little is left on the wire when
+    backward ends and, with step overlap, little of the update is left after
+    the last bucket lands. Their size is ``edge_cap``, or a quarter of all
+    the gradients if that is smaller (but not under ``EDGE_FLOOR``), so a
+    small model is still split where that lets most of it overlap: the first
+    bucket closes once it reaches that size, the last holds at most that
+    (or the one gradient that is larger).
+    """
+    edge = min(edge_cap, cap, max(sum(sizes) // 4, EDGE_FLOOR))
+    # the last bucket: the longest run at the end, of one dtype, within edge
+    tail = len(sizes) - 1 if sizes else 0
+    tail_size = sizes[tail] if sizes else 0
+    while tail > 0 and dtypes[tail - 1] == dtypes[-1] and tail_size + sizes[tail - 1] <= edge:
+        tail -= 1
+        tail_size += sizes[tail]
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in range(tail):
+        if current and dtypes[i] != dtypes[current[0]]:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += sizes[i]
+        if size >= (edge if not buckets else cap):
+            buckets.append(current)  # a bucket closes once it reaches its cap
+            current, size = [], 0
+    if current:
+        last = buckets[-1] if len(buckets) > 1 else None
+        if last is not None and size < edge and dtypes[last[0]] == dtypes[current[0]]:
+            last += current  # a small remainder rides with the bucket before it
+        else:
+            buckets.append(current)
+    if sizes:
+        buckets.append(list(range(tail, len(sizes))))
+    return buckets
+
+
 class _Bucket:
     """One flat buffer of gradients of one dtype, reduced by one allreduce
     (of ``wire``, its narrow copy, when compressed)."""
 
-    __slots__ = ("buffer", "handle", "offsets", "params", "pending", "wire")
+    __slots__ = ("buffer", "handle", "params", "pending", "scale", "slots", "wire")
 
     def __init__(
-        self, params: list[torch.nn.Parameter], device: torch.device, narrow: torch.dtype | None
+        self,
+        params: list[torch.nn.Parameter],
+        device: torch.device,
+        narrow: torch.dtype | None,
+        mean_of: int | None,
     ) -> None:
         self.params = params
-        self.offsets: list[int] = []
-        total = 0
-        for param in params:
-            self.offsets.append(total)
-            total += param.numel()
+        total = sum(param.numel() for param in params)
         self.buffer = torch.zeros(total, dtype=params[0].dtype, device=device)
+        # each parameter's slot, a view of the buffer shaped like it, made once
+        # (slicing and viewing in every hook cost more than the hook's own work)
+        self.slots: list[torch.Tensor] = []
+        start = 0
+        for param in params:
+            self.slots.append(self.buffer[start : start + param.numel()].view_as(param))
+            start += param.numel()
         self.wire: torch.Tensor | None = None
         if narrow is not None and self.buffer.dtype in _WIDE:
             self.wire = torch.empty(total, dtype=narrow, device=device)
+        # for a mean, each gradient is multiplied by 1/world as it is copied
+        # in (one pass, as DDP does) and the bucket is summed: no pass to
+        # divide afterwards. A narrowed bucket is divided on the wire instead,
+        # in the narrow type, as DDP's compress hooks do.
+        self.scale = 1.0 / mean_of if mean_of is not None and self.wire is None else None
         self.pending = len(params)
         self.handle: Handle[torch.Tensor] | None = None
 
-    def slot(self, index: int) -> torch.Tensor:
-        param = self.params[index]
-        start = self.offsets[index]
-        return self.buffer[start : start + param.numel()].view_as(param)
+    def fill(self, slot: int, grad: torch.Tensor | None) -> None:
+        """Put ``grad`` (``None``: a zero gradient) into its slot, scaled."""
+        target = self.slots[slot]
+        if grad is None:
+            target.zero_()
+        elif grad.data_ptr() != target.data_ptr():
+            if self.scale is None:
+                target.copy_(grad)
+            else:
+                torch.mul(grad, self.scale, out=target)
+        elif self.scale is not None:  # accumulated in place, in the slot
+            target.mul_(self.scale)
 
 
 # Optimizers a _Stepper is stepping right now: no sync's guard refuses those
@@ -362,7 +434,7 @@ class GradientSync:
         self._params = list(options.params)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._buckets: list[_Bucket] = []
-        self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, slot)
+        self._where: list[tuple[_Bucket, int]] = []  # by param index: (bucket, slot)
         self._build(list(reversed(range(len(self._params)))))
         self._arrivals: list[int] | None = []  # recorded during the first backward
         self._ready = [False] * len(self._params)
@@ -378,9 +450,15 @@ class GradientSync:
         self._removed = False
         optimizer = options.optimizer
         self._stepper = None if optimizer is None else _Stepper(optimizer)
+        # With step overlap, buckets go on the wire one at a time, in order:
+        # gloo runs two collectives of a group at once, and two buckets that
+        # share the link both land late, so the update of the first could not
+        # run while the second is sent. Each then lands as early as the link
+        # allows, and its update runs while the next one travels.
+        self._serial = optimizer is not None
         self._hooks: list[Any] = [
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
-            for p in self._params
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, index))  # type: ignore[no-untyped-call]
+            for index, p in enumerate(self._params)
         ]
         for param in self._params:
             _LIVE_PARAMS[param] = self
@@ -392,29 +470,25 @@ class GradientSync:
 
     def _build(self, order: list[int]) -> None:
         """Pack parameters, in ``order``, into buckets of one dtype each."""
-        cap, first_cap = self._options.cap, self._options.first_cap
-        buckets: list[list[torch.nn.Parameter]] = []
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for index in order:
-            param = self._params[index]
-            if current and param.dtype != current[0].dtype:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(param)
-            size += param.numel() * param.element_size()
-            if size >= (first_cap if not buckets else cap):
-                buckets.append(current)  # a bucket closes once it reaches its cap
-                current, size = [], 0
-        if current:
-            buckets.append(current)
+        params = [self._params[index] for index in order]
+        groups = layout(
+            [p.numel() * p.element_size() for p in params],
+            [p.dtype for p in params],
+            cap=self._options.cap,
+            edge_cap=self._options.first_cap,
+        )
         device, narrow = self._carrier.device, self._options.compression
-        self._buckets = [_Bucket(params, device, narrow) for params in buckets]
-        self._where = {
-            self._index[id(param)]: (b, slot)
-            for b, bucket in enumerate(self._buckets)
-            for slot, param in enumerate(bucket.params)
-        }
+        world = self._carrier.world_size
+        mean_of = world if self._options.op == "mean" and world > 1 else None
+        self._buckets = [
+            _Bucket([params[i] for i in group], device, narrow, mean_of) for group in groups
+        ]
+        where: list[tuple[_Bucket, int] | None] = [None] * len(self._params)
+        for bucket in self._buckets:
+            for slot, param in enumerate(bucket.params):
+                where[self._index[id(param)]] = (bucket, slot)
+        self._where = [w for w in where if w is not None]
+        assert len(self._where) == len(self._params), "every parameter in one bucket"
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -423,14 +497,20 @@ class GradientSync:
 
     # -- during backward ----------------------------------------------------------------
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if self._removed or param.grad is None:
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        """The hook of parameter ``index``: its gradient was just accumulated.
+
+        It runs once per parameter per backward, so it is kept lean: a
+        bucket is launched from here only once its last gradient is in.
+        """
+        grad = param.grad
+        if self._removed or grad is None:
             return
         if self._carrier.closed:  # its session ended (a lane of another session's, say)
             self.remove()
             return
-        index = self._index[id(param)]
-        if self._phase is _Phase.LAUNCHED and (
+        phase = self._phase
+        if phase is _Phase.LAUNCHED and (
             self._ready[index] or self._finishing or not self._enabled
         ):
             # buckets of the last step may be on the wire: writing into them,
@@ -438,21 +518,19 @@ class GradientSync:
             raise self._unfinished()
         self._stepped = False  # a new step has begun
         if not self._enabled:
-            if self._phase is _Phase.IDLE:
+            if phase is _Phase.IDLE:
                 self._phase = _Phase.ACCUMULATING
             return
-        if self._phase is not _Phase.LAUNCHED:
+        if phase is not _Phase.LAUNCHED:
             self._begin()
         if self._arrivals is not None:
             self._arrivals.append(index)
-        b, slot = self._where[index]
-        bucket = self._buckets[b]
-        target = bucket.slot(slot)
-        if param.grad.data_ptr() != target.data_ptr():  # not already accumulated in place
-            target.copy_(param.grad)
+        bucket, slot = self._where[index]
+        bucket.fill(slot, grad)
         self._ready[index] = True
         bucket.pending -= 1
-        self._launch_ready()
+        if bucket.pending == 0 or self._serial:  # serial: one may be held back
+            self._launch_ready()
 
     def _unfinished(self) -> AsyncDistError:
         return AsyncDistError(
@@ -473,20 +551,20 @@ class GradientSync:
                 self._buffers = self._broadcast(buffers, src=0)
 
     def _launch_ready(self, *, everything: bool = False) -> None:
-        """Launch buckets in order while the next one is complete."""
+        """Launch buckets in order while the next one is complete (with step
+        overlap, and the one before it no longer on the wire)."""
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
             if bucket.pending > 0 and not everything:
                 return
+            if self._serial and self._next_launch > 0:
+                before = self._buckets[self._next_launch - 1].handle
+                if before is not None and not before.done():
+                    return
             if bucket.pending > 0:  # no gradient arrived (this step) for some parameters
                 for slot, param in enumerate(bucket.params):
-                    if self._ready[self._index[id(param)]]:
-                        continue
-                    target = bucket.slot(slot)
-                    if param.grad is None:
-                        target.zero_()
-                    elif param.grad.data_ptr() != target.data_ptr():
-                        target.copy_(param.grad)  # accumulated under no_sync() only
+                    if not self._ready[self._index[id(param)]]:
+                        bucket.fill(slot, param.grad)  # accumulated under no_sync() only
             # hooks run on autograd's threads (CUDA) or the caller's: every
             # launch of this object counts as its own, whichever thread runs it
             with issuing_as(self, self._name):
@@ -495,7 +573,9 @@ class GradientSync:
 
     def _launch(self, bucket: _Bucket) -> Handle[torch.Tensor]:
         if bucket.wire is None:
-            return self._carrier.allreduce(bucket.buffer, op=self._options.op)
+            # a mean's gradients were scaled as they came in: the sum is the mean
+            op = self._options.op if bucket.scale is None else "sum"
+            return self._carrier.allreduce(bucket.buffer, op=op)
         # DDP's compress hooks: narrow, pre-divide (so fp16 cannot overflow), sum
         bucket.wire.copy_(bucket.buffer)
         if self._options.op == "mean":
@@ -524,8 +604,10 @@ class GradientSync:
                 self._parts = stepper.parts(bucket_of, len(self._buckets))
             while self._landed < len(self._buckets):
                 bucket = self._buckets[self._landed]
+                self._launch_ready(everything=True)  # serial: now that the one before landed
                 assert bucket.handle is not None
                 yield bucket.handle
+                self._launch_ready(everything=True)  # serial: the next, before this update
                 self._land(bucket)
                 if stepper is not None and self._parts is not None and clip is None:
                     stepper.step(self._parts[self._landed])
@@ -552,7 +634,7 @@ class GradientSync:
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)  # back to full precision
         for slot, param in enumerate(bucket.params):
-            param.grad = bucket.slot(slot)
+            param.grad = bucket.slots[slot]
         bucket.handle = None
         bucket.pending = len(bucket.params)
 

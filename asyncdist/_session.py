@@ -438,6 +438,13 @@ class DistSession(Collectives):
         ``torch.nn.utils.clip_grad_norm_(module.parameters(), clip_grad_norm)``)
         before the update; the update then waits for the last bucket.
 
+        Buckets: each closes once it holds ``bucket_mb``; the first and the
+        last are small (``first_bucket_mb``, or a quarter of the model's
+        gradients if that is smaller, never under 64 KiB), so communication
+        starts early in backward and little is left once backward ends. For
+        ``"mean"``, each gradient is multiplied by ``1 / world_size`` as it is
+        copied into its bucket and the bucket is summed, as DDP does.
+
         ``broadcast_buffers``: as DDP's (and on by default): the module's
         buffers (BatchNorm running statistics, any ``register_buffer``) are
         rank 0's on every rank once each synced step is finished, so every

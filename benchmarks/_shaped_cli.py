@@ -29,7 +29,7 @@ def main(
     if missing:
         print(f"{name}: cannot shape a link here: {missing}", file=sys.stderr)
         return 3
-    opts = dict(options, reps=args.reps, rate_bits=RATES[args.rate])
+    opts = dict(options, reps=args.reps, rate_bits=RATES[args.rate], smoke=args.smoke)
     with _netns.ShapedLink(args.rate) as link:
         results = link.run(name, opts)
     columns, rows, summary = summarize(results, opts, smoke=args.smoke)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -153,6 +154,36 @@ class _Mlp(torch.nn.Module):
         return self.head(self.body(x))
 
 
+class _ConvNet(torch.nn.Module):
+    """Three conv + BatchNorm + ReLU + pool stages on 3 x 32 x 32 images and a
+    linear head: compute bound, few parameters, and buffers to keep in step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        channels = (3, 32, 64, 128)
+        for cin, cout in itertools.pairwise(channels):
+            layers += [
+                torch.nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                torch.nn.BatchNorm2d(cout),
+                torch.nn.ReLU(),
+                torch.nn.MaxPool2d(2),
+            ]
+        self.body = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(128 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).flatten(1))
+
+
+# the sweep's model shapes: (the model, one input row's shape)
+SHAPES: dict[str, tuple[Any, tuple[int, ...]]] = {
+    "wide": (lambda: _Mlp(1024, 4), (1024,)),  # wide and shallow: 4.2 M parameters in 10 tensors
+    "deep": (lambda: _Mlp(256, 24), (256,)),  # deep and narrow: 1.6 M in 50 small tensors
+    "conv": (_ConvNet, (3, 32, 32)),  # conv + BatchNorm: 0.1 M parameters, compute bound
+}
+
+
 class _Timed:
     """Wall time spent inside ``optimizer.step()`` (every call: gradient_sync's
     per-bucket updates count too), from the optimizer's own step hooks."""
@@ -175,30 +206,65 @@ class _Timed:
 
 
 ARMS = ("ddp", "ddp_bf16", "sync", "sync_step", "sync_bf16", "sync_both", "seed")
+SWEEP_ARMS = ARMS[:-1]  # the seed's way runs on the headline configuration only
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
 def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
-    """Step time (backward + gradient averaging + Adam) of every arm, interleaved.
-
-    Each arm trains its own copy of one model on the same batch. Per step the
-    main thread's time splits into backward (forward and backward; for DDP,
-    the compute alone, its blocking finish counted as exposed communication),
-    exposed communication (waiting for buckets) and optimizer (inside
-    ``optimizer.step()``, gradient_sync's per-bucket updates included).
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    width, depth = int(options.get("width", 1024)), int(options.get("depth", 4))
-    batch = int(options.get("batch", 64))
+    """Every configuration of ``options["configs"]`` in turn (one session)."""
+    configs = options["configs"]
+    if options.get("smoke"):  # one configuration per shape
+        configs = list({c["shape"]: c for c in reversed(configs)}.values())[::-1]
+    reps = int(options.get("reps", 10))
     buckets = {
         "bucket_mb": float(options.get("bucket_mb", 4.0)),
         "first_bucket_mb": float(options.get("first_bucket_mb", 1.0)),
     }
+    results = []
+    for config in configs:
+        arms = ARMS if config.get("seed") else SWEEP_ARMS
+        result = _ddp_config(s, config, arms, reps, buckets)
+        results.append({"config": config, **result})
+        print(f"rank {s.rank}: {_config_name(config)} done", file=sys.stderr, flush=True)
+    return {"configs": results}
+
+
+def _config_name(config: dict[str, Any]) -> str:
+    return f"{config['shape']} b{config['batch']} {config['optimizer']}"
+
+
+def _ddp_config(
+    s: DistSession,
+    config: dict[str, Any],
+    arms: tuple[str, ...],
+    reps: int,
+    buckets: dict[str, float],
+) -> dict[str, Any]:
+    """Step time (forward, backward, gradient averaging, optimizer) of every
+    arm on one configuration, interleaved step by step.
+
+    Each arm trains its own copy of one model on the same batch. Per step the
+    main thread's time splits into backward (forward and backward up to the
+    end of autograd's last hook, measured the same way for every arm: DDP's
+    and gradient_sync's copies into buckets and launches included, DDP's
+    blocking wait at the end of its backward not), exposed communication
+    (waiting for buckets) and optimizer (inside ``optimizer.step()``,
+    gradient_sync's per-bucket updates included).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    make, row = SHAPES[config["shape"]]
+    batch = int(config["batch"])
     torch.manual_seed(0)
-    base = _Mlp(width, depth)
-    models = {arm: copy.deepcopy(base) for arm in ARMS}
-    opts = {arm: torch.optim.Adam(models[arm].parameters(), lr=1e-4) for arm in ARMS}
-    timers = {arm: _Timed(opts[arm]) for arm in ARMS}
+    base = make()
+    models = {arm: copy.deepcopy(base) for arm in arms}
+    opts = {arm: _optimizer(config["optimizer"], models[arm].parameters()) for arm in arms}
+    timers = {arm: _Timed(opts[arm]) for arm in arms}
     ddps = {
         arm: torch.nn.parallel.DistributedDataParallel(
             models[arm], bucket_cap_mb=buckets["bucket_mb"]
@@ -218,8 +284,22 @@ def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
             models["sync_both"], **buckets, optimizer=opts["sync_both"], compression="bf16"
         ),
     }
+    # the backward phase ends when autograd has run every hook, before DDP's
+    # own end-of-backward callback waits for its buckets: a callback queued
+    # from the first gradient's hook runs just then (ahead of DDP's, queued
+    # at its last bucket), the same for every arm
+    computed = {"at": 0.0}
+
+    def mark() -> None:
+        computed["at"] = time.perf_counter()
+
+    def queue_mark(_: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(mark)  # type: ignore[attr-defined]
+
+    for arm in arms:
+        list(models[arm].parameters())[-1].register_post_accumulate_grad_hook(queue_mark)
     g = torch.Generator().manual_seed(s.rank)
-    x = torch.randn(batch, width, generator=g)
+    x = torch.randn(batch, *row, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     world = s.world_size
 
@@ -238,25 +318,31 @@ def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
             opts[arm].step()
         t2 = time.perf_counter()
         opts[arm].zero_grad(set_to_none=True)
-        return {"step": t2 - t0, "backward": t1 - t0, "optimizer": timers[arm].take()}
+        backward = computed["at"] - t0 if t0 < computed["at"] <= t1 else t1 - t0
+        return {"step": t2 - t0, "backward": backward, "optimizer": timers[arm].take()}
 
-    for arm in ARMS:  # warm-up (and gradient_sync's bucket rebuild)
+    for arm in arms:  # warm-up (and gradient_sync's bucket rebuild)
         step(arm)
         step(arm)
-    samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
-    for r in range(int(options.get("reps", 10))):
-        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
+    samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    for r in range(reps * int(config.get("weight", 1))):  # short steps: more rounds
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
             s.barrier().wait()
             samples[arm].append(step(arm))
-    # compute alone (forward and backward, no communication) and communication
-    # alone (one allreduce of every gradient, in float32 and in bfloat16)
-    compute = []
+    # compute alone (forward, and forward with backward; no communication) and
+    # communication alone (one allreduce of every gradient, float32 and bfloat16)
+    forward, compute = [], []
     for _ in range(5):
         t0 = time.perf_counter()
         with syncs["sync"].no_sync():
-            torch.nn.functional.cross_entropy(models["sync"](x), y).backward()
+            loss = torch.nn.functional.cross_entropy(models["sync"](x), y)
+            t1 = time.perf_counter()
+            loss.backward()
         models["sync"].zero_grad(set_to_none=True)
+        forward.append(t1 - t0)
         compute.append(time.perf_counter() - t0)
+    for sync in syncs.values():
+        sync.remove()
     params = sum(p.numel() for p in base.parameters())
     comm = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
@@ -268,29 +354,67 @@ def ddp(s: DistSession, options: dict[str, Any]) -> dict[str, Any]:
             s.allreduce(flat, op="sum").wait()
             times.append(time.perf_counter() - t0)
         comm[name] = statistics.median(times)
-    compute_s = statistics.median(compute)
-    med = {arm: statistics.median(x["step"] for x in samples[arm]) for arm in ARMS}
+    # the same float32 allreduce while this rank's main thread runs the
+    # optimizer, as step overlap does: on a machine whose cores the ranks'
+    # compute and their gloo threads share, communication slows down
+    busy, optimizer = [], opts["sync"]
+    for param in models["sync"].parameters():
+        param.grad = torch.zeros_like(param)
+    flat = torch.zeros(params)
+    for _ in range(3):
+        s.barrier().wait()
+        t0 = time.perf_counter()
+        handle = s.allreduce(flat, op="sum")
+        while not handle.done():
+            optimizer.step()
+        handle.wait()
+        busy.append(time.perf_counter() - t0)
+    comm["float32_busy"] = statistics.median(busy)
+    compute_s, forward_s = statistics.median(compute), statistics.median(forward)
+    med = {arm: statistics.median(x["step"] for x in samples[arm]) for arm in arms}
     breakdown = {}
-    for arm in ARMS:
+    for arm in arms:
         part = {k: statistics.median(x[k] for x in samples[arm]) for k in samples[arm][0]}
-        backward = min(part["backward"], compute_s) if arm.startswith("ddp") else part["backward"]
-        optimizer = part["optimizer"]
         breakdown[arm] = {
-            "backward": backward,
-            "optimizer": optimizer,
-            "exposed_comm": max(med[arm] - backward - optimizer, 0.0),
+            "backward": part["backward"],
+            "optimizer": part["optimizer"],
+            "exposed_comm": max(med[arm] - part["backward"] - part["optimizer"], 0.0),
             "communication": comm["bfloat16" if arm.endswith(("bf16", "both")) else "float32"],
         }
+    # no exact arm's step can be shorter: the first gradient needs the forward,
+    # the last average every gradient's allreduce, and the update the averages
+    floor = max(compute_s, forward_s + comm["float32"]) + breakdown["sync"]["optimizer"]
+    steps = {arm: [x["step"] for x in samples[arm]] for arm in arms}
+
+    def paired(arm: str, base: str) -> float:
+        """The median over rounds of arm ÷ base, each pair from one round."""
+        return statistics.median(a / b for a, b in zip(steps[arm], steps[base], strict=True))
+
+    saving = statistics.median(
+        a - b for a, b in zip(steps["sync"], steps["sync_step"], strict=True)
+    )
+    sizes = syncs["sync"].bucket_sizes
     return {
         "params": params,
         "grad_bytes": params * 4,
         "median_s": med,
         "compute_s": compute_s,
+        "forward_s": forward_s,
         "comm_s": comm,
+        "floor_s": floor,
         "breakdown": breakdown,
-        "buckets": syncs["sync"].bucket_sizes,
-        "ratio_vs_ddp": {arm: med[arm] / med["ddp"] for arm in ARMS},
-        "samples": {arm: [x["step"] for x in samples[arm]] for arm in ARMS},
+        "buckets": sizes,
+        "ratio_vs_ddp": {arm: paired(arm, "ddp") for arm in arms},
+        "backward_vs_ddp": breakdown["sync"]["backward"] / breakdown["ddp"]["backward"],
+        "bf16_vs_ddp_bf16": paired("sync_bf16", "ddp_bf16"),
+        "floor_vs_ddp": floor / med["ddp"],
+        # step overlap judged by what it can hide: the step time it saves over
+        # plain gradient_sync, as a share of the optimizer's time; the update
+        # of the last bucket to land cannot be hidden (nothing is left on the
+        # wire behind it), which bounds the share by the other buckets' part
+        "overlap_hides": saving / breakdown["sync"]["optimizer"],
+        "overlap_can_hide": 1 - sizes[-1] / sum(sizes),
+        "samples": steps,
     }
 
 

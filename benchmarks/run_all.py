@@ -118,8 +118,9 @@ def plot(ran: list[str]) -> list[Path]:
         )
     if "ddp" in drawn:
         data = json.loads((_common.RESULTS / "ddp.json").read_text())
-        if "breakdown" in data["ranks"][0]:
+        if "configs" in data["ranks"][0]:
             written.append(plot_ddp(plt, data))
+            written.append(plot_sweep(plt, data))
     return written
 
 
@@ -181,11 +182,12 @@ def plot_overlap(plt: Any, data: dict[str, Any]) -> Path:
 
 
 def plot_ddp(plt: Any, data: dict[str, Any]) -> Path:
-    """Rank 0's step-time breakdown per arm: backward, exposed communication
-    and optimizer stacked (their sum is the step), communication alone beside."""
+    """Rank 0's step-time breakdown per arm on the headline configuration:
+    backward, exposed communication and optimizer stacked (their sum is the
+    step), communication alone beside."""
     import ddp
 
-    rank0 = data["ranks"][0]
+    rank0 = data["ranks"][0]["configs"][0]
     arms = [arm for arm in ddp.LABELS if arm in rank0["breakdown"]]
     ms = 1e3
     fig, ax = plt.subplots(figsize=(8, 4.6))
@@ -221,9 +223,41 @@ def plot_ddp(plt: Any, data: dict[str, Any]) -> Path:
     ax.set_yticks(y, [ddp.LABELS[arm] for arm in arms], fontsize=8)
     ax.set_xlabel(f"ms per step, rank 0 (medians), {data['rate']} shaped link, 2 ranks")
     ax.set_xlim(0, max(left) * 1.35)
-    ax.set_title("where a training step's time goes")
+    ax.set_title(f"where a training step's time goes ({ddp.name(rank0['config'])})")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2)
     return _save(plt, fig, "ddp_breakdown.png")
+
+
+def plot_sweep(plt: Any, data: dict[str, Any]) -> Path:
+    """Each configuration's step time over DDP's, per arm (the worse rank)."""
+    import ddp
+
+    configs = ddp.per_config(data["ranks"])
+    arms = (
+        ("sync", "gradient_sync", "tab:blue"),
+        ("sync_step", "+ step overlap", "tab:green"),
+        ("sync_bf16", "+ bf16", "tab:orange"),
+        ("sync_both", "+ overlap + bf16", "tab:red"),
+        ("ddp_bf16", "DDP + bf16 hook", "tab:grey"),
+    )
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.16
+    for i, (arm, label, color) in enumerate(arms):
+        ax.bar(
+            [x + (i - 2) * width for x in range(len(configs))],
+            [c["ratio"][arm] for c in configs],
+            width,
+            label=label,
+            color=color,
+        )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(ddp.GOALS["sync"], color="tab:blue", linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(configs)), [c["name"] for c in configs], rotation=35, fontsize=8)
+    ax.set_ylabel("step time ÷ DDP's")
+    ax.set_title(f"step time over DDP's, 2 ranks, {data['rate']} shaped link")
+    ax.set_ylim(0, 1.3)
+    ax.legend(fontsize=7, ncol=5, loc="upper center")
+    return _save(plt, fig, "ddp_sweep.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,14 +319,20 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
     )
 
     arms = list(benchmarks.ddp.LABELS)
-    rank = {
+    one = {
         "ratio_vs_ddp": dict.fromkeys(arms, 1.234),
         "median_s": {arm: 1.6789 - i * 0.01 for i, arm in enumerate(arms)},
         "breakdown": {
             arm: {"backward": 0.2812, "exposed_comm": 1.3712, "optimizer": 0.1623} for arm in arms
         },
-        "compute_s": 0.0142,
+        "backward_vs_ddp": 1.2345,
+        "bf16_vs_ddp_bf16": 1.2345,
+        "overlap_hides": -12.345,
+        "overlap_can_hide": 0.875,
+        "floor_vs_ddp": 0.7654,
+        "comm_s": {"float32": 0.1404},
     }
+    rank = {"configs": [dict(one, config=c) for c in benchmarks.ddp.CONFIGS]}
     columns, rows, _ = benchmarks.ddp.summarize([rank, rank], {}, smoke=smoke)
     tables["ddp"] = common.table(shaped.title("ddp", "500mbit"), columns, rows, smoke=smoke)
     assert set(tables) == set(cli.BENCHMARKS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from asyncdist import DistSession, GradientSync, spawn
-from asyncdist._grad import buckets_of
+from asyncdist._grad import EDGE_FLOOR, buckets_of, layout
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -191,3 +192,56 @@ def test_gradient_sync_and_a_metrics_task_run_side_by_side(backend: str) -> None
     for r in results:
         assert r["metrics"] == [float(2 * step + 1) for step in range(20)]
         assert r["buckets"] > 1
+
+
+def _check_layout(sizes: list[int], dtypes: list[torch.dtype], cap: int, edge_cap: int) -> None:
+    buckets = layout(sizes, dtypes, cap=cap, edge_cap=edge_cap)
+    assert [i for b in buckets for i in b] == list(range(len(sizes))), "each once, in order"
+    assert all(len({dtypes[i] for i in b}) == 1 for b in buckets), "one dtype per bucket"
+    if not sizes:
+        assert buckets == []
+        return
+    edge = min(edge_cap, cap, max(sum(sizes) // 4, EDGE_FLOOR))
+    size = [sum(sizes[i] for i in b) for b in buckets]
+    last = buckets[-1]
+    # the last bucket is small: within edge, or a single gradient larger than it
+    assert size[-1] <= edge or len(last) == 1, (size, edge)
+    # and as long as it can be: one more gradient of its dtype would not fit
+    if last[0] > 0 and dtypes[last[0] - 1] == dtypes[last[0]]:
+        assert size[-1] + sizes[last[0] - 1] > edge, (size, edge)
+    if len(buckets) > 1:
+        first = buckets[0]
+        # the first closes once it reaches edge (or at a change of dtype, or the tail)
+        assert sum(sizes[i] for i in first[:-1]) < edge, (size, edge)
+        for b, after in itertools.pairwise(buckets[1:]):
+            # a middle bucket closes once it reaches cap (a small remainder
+            # rides with the bucket before it), or where the dtype changes
+            assert sum(sizes[i] for i in b[:-1]) < cap + edge, (size, cap)
+            if after is not last and dtypes[after[0]] == dtypes[b[-1]]:
+                assert sum(sizes[i] for i in b) >= cap, (size, cap)
+
+
+def test_bucket_layout_keeps_the_first_and_the_last_bucket_small() -> None:
+    """Buckets partition the gradients in order, one dtype each; the first
+    closes at the edge size and the last holds at most that, so a model's
+    communication starts early and little of it is left after backward."""
+    rng = torch.Generator().manual_seed(0)
+    f32, f16 = torch.float32, torch.float16
+    for trial in range(300):
+        n = int(torch.randint(0, 40, (1,), generator=rng))
+        sizes = [int(s) for s in torch.randint(1, 400_000, (n,), generator=rng)]
+        mixed = trial % 3 == 0
+        dtypes = [f16 if mixed and i % 7 < 2 else f32 for i in range(n)]
+        _check_layout(sizes, dtypes, cap=int(1.5 * (1 << 20)), edge_cap=1 << 19)
+    # a model too small to split stays one bucket
+    assert layout([1000] * 10, [f32] * 10, cap=25 << 20, edge_cap=1 << 20) == [list(range(10))]
+
+
+def test_a_small_model_is_split_so_little_is_left_after_backward() -> None:
+    """Four 66 KB layers under the default caps: DDP's 1 MiB first bucket
+    would hold them all and launch once backward ends; here the first and
+    the last bucket are a quarter of the model each."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(4)))
+    layer = 128 * 128 * 4 + 128 * 4
+    with DistSession() as s, s.gradient_sync(model) as sync:
+        assert sync.bucket_sizes == [layer, 2 * layer, layer]

@@ -259,3 +259,47 @@ def _fp16_large(s: DistSession) -> list[float]:
 
 def test_fp16_predivides_so_the_sum_cannot_overflow() -> None:
     assert spawn(_fp16_large, 2, timeout=30) == [[60000.0], [60000.0]]
+
+
+def _on_the_wire_after_backward(s: DistSession, overlap: bool) -> list[list[bool]]:
+    """Per step, on rank 0: which buckets were launched once backward ended,
+    while rank 1 holds its first bucket back (it starts its backward late)."""
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = s.gradient_sync(
+        model,
+        bucket_mb=0.0005,
+        first_bucket_mb=0.0002,
+        optimizer=opt if overlap else None,
+    )
+    launched = []
+    for step in range(3):
+        x, y = _batch(s.rank, step)
+        s.barrier().wait()
+        if s.rank == 1:
+            time.sleep(0.3)  # rank 0's first bucket cannot complete meanwhile
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        launched.append([b.handle is not None for b in buckets_of(sync)])
+        sync.wait()
+        if not overlap:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return launched if s.rank == 0 else []
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_with_step_overlap_one_bucket_is_on_the_wire_at_a_time(overlap: bool) -> None:
+    """Step overlap sends buckets one after another, so each lands as early
+    as the link allows and its update runs while the next one travels (gloo
+    would run two at once, and both would land late); a plain sync launches
+    every complete bucket during backward, as DDP does."""
+    launched = spawn(_on_the_wire_after_backward, 2, args=(overlap,), timeout=60)[0]
+    for step in launched:
+        assert len(step) > 2, step
+        if overlap:
+            assert step == [True] + [False] * (len(step) - 1), launched
+        else:  # every complete bucket (the one with the unused parameter waits for the end)
+            assert step[:-1] == [True] * (len(step) - 1), launched
