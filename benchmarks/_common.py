@@ -78,3 +78,19 @@ def print_table(
     from rich.console import Console
 
     Console().print(table(title, columns, rows, smoke=smoke))
+
+
+def publish(
+    name: str,
+    title: str,
+    columns: list[str],
+    rows: list[list[str]],
+    payload: dict[str, Any],
+    *,
+    smoke: bool = False,
+) -> int:
+    """Print a benchmark's table, write its JSON under ``RESULTS`` and say
+    where; the exit status of a run that completed (0)."""
+    print_table(title, columns, rows, smoke=smoke)
+    print(f"wrote {write_json(name, payload)}")
+    return 0

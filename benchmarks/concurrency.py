@@ -88,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         with _netns.ShapedLink(args.rate) as link:
             results[f"shaped {args.rate}"] = link.run("concurrency", options)[0]
     title, columns, rows, summary = summarize(results, args.mib, args.smoke)
-    _common.print_table(title, columns, rows)
-    path = _common.write_json("concurrency", {"options": options, "links": results, **summary})
-    print(f"wrote {path}")
-    return 0
+    return _common.publish(
+        "concurrency", title, columns, rows, {"options": options, "links": results, **summary}
+    )
 
 
 if __name__ == "__main__":

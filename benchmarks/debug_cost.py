@@ -60,10 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     times = asyncdist.spawn(_rank, 2, args=(args.rounds,), timeout=300)[0]
     title, columns, rows, payload = summarize(times)
-    _common.print_table(title, columns, rows)
-    path = _common.write_json("debug_cost", payload)
-    print(f"wrote {path}")
-    return 0
+    return _common.publish("debug_cost", title, columns, rows, payload)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     times = asyncdist.spawn(_rank, 2, args=(args.reps,), timeout=300)[0]
     title, columns, rows, payload = summarize(times, args.smoke)
-    _common.print_table(title, columns, rows, smoke=args.smoke)
-    path = _common.write_json("fusion", payload)
-    print(f"wrote {path}")
-    return 0
+    return _common.publish("fusion", title, columns, rows, payload, smoke=args.smoke)
 
 
 if __name__ == "__main__":

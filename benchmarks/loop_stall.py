@@ -150,10 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncdist.spawn(_case, 2, args=(case, args.late), timeout=60)
             stalls[case].append(result[0])
     title, columns, rows = summarize(stalls, args.late, args.rounds, asyncdist.__version__)
-    _common.print_table(title, columns, rows)
-    path = _common.write_json("loop_stall", {"late_s": args.late, "stalls_s": stalls})
-    print(f"wrote {path}")
-    return 0
+    return _common.publish(
+        "loop_stall", title, columns, rows, {"late_s": args.late, "stalls_s": stalls}
+    )
 
 
 if __name__ == "__main__":

@@ -482,10 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{ws} ranks: {time.monotonic() - t0:.0f} s")
     title, columns, rows, payload = summarize(results, args.smoke)
-    _common.print_table(title, columns, rows, smoke=args.smoke)
-    path = _common.write_json("scaling", payload)
-    print(f"wrote {path}")
-    return 0
+    return _common.publish("scaling", title, columns, rows, payload, smoke=args.smoke)
 
 
 if __name__ == "__main__":
