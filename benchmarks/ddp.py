@@ -17,8 +17,10 @@ ranks: plain gradient_sync <= 0.97x DDP where the floor allows it (the floor:
 the forward, every gradient's allreduce as measured alone, then the
 optimizer: no exact arm's step is shorter); its backward phase <= 1.15x
 DDP's; bf16 <= 1.00x DDP + bf16 hook; step overlap hides >= 80 % of the
-optimizer's time where communication exceeds it. On the first configuration
-(issue 14): bf16 <= 0.65x DDP; step overlap + bf16 the lowest arm.
+optimizer's time where communication exceeds it (and the optimizer is at
+least 5 % of the step, so that what it saves stands out of the noise). On
+the first configuration (issue 14): bf16 <= 0.65x DDP; step overlap + bf16
+the lowest arm.
 
     python benchmarks/ddp.py [--rate 1gbit] [--reps 10]
 """
@@ -70,6 +72,10 @@ GOALS = {
 }
 
 
+# step overlap is judged where the optimizer takes at least this share of the step
+OPTIMIZER_SHARE = 0.05
+
+
 def name(config: dict[str, Any]) -> str:
     """A configuration's short name: "wide b16 adam"."""
     return f"{config['shape']} b{config['batch']} {config['optimizer']}"
@@ -100,6 +106,9 @@ def per_config(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # step overlap can hide the optimizer only behind communication
                 # still on the wire once backward is over
                 "comm_exceeds_optimizer": r0["breakdown"]["sync"]["exposed_comm"] > optimizer,
+                # below this share of the step, what hiding it saves is
+                # within the run-to-run noise of a step
+                "optimizer_share": optimizer / r0["median_s"]["sync"],
                 "lowest": min(r0["median_s"], key=r0["median_s"].get),
             }
         )
@@ -123,12 +132,17 @@ def summarize(
         ]
         for c in configs
     ]
-    # a goal is judged where it can be met: plain gradient_sync where the
-    # floor leaves room below 0.97x DDP, step overlap where communication
-    # exceeds the optimizer and the last bucket leaves 80 % to hide
+    # a goal is judged where it can be met and measured: plain gradient_sync
+    # where the floor leaves room below 0.97x DDP; step overlap where
+    # communication exceeds the optimizer, the last bucket leaves 80 % to
+    # hide, and the optimizer is a share of the step that noise cannot hide
     reachable = [c for c in configs if c["floor"] <= GOALS["sync"]]
     hideable = [
-        c for c in configs if c["comm_exceeds_optimizer"] and c["can_hide"] >= GOALS["hides"]
+        c
+        for c in configs
+        if c["comm_exceeds_optimizer"]
+        and c["can_hide"] >= GOALS["hides"]
+        and c["optimizer_share"] >= OPTIMIZER_SHARE
     ]
     head = configs[0]
 
