@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from asyncdist._progress import WATCHDOG_GRACE  # noqa: E402
+from asyncdist._store import NOTICE_TIMEOUT  # noqa: E402
 from tools.netns import TwoHosts, missing, missing_firewall  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "netfault_worker.py"
@@ -184,12 +185,20 @@ def _scenario(
         return job.reports("first"), job.reports("final"), job.t_fault
 
 
-def _left_threads(threads: dict[str, list[str]]) -> list[str]:
+def _left_threads(threads: dict[str, list[str]], *, cut_off: bool = False) -> list[str]:
     """asyncdist's Python threads and gloo's OS threads still running once every
-    session was left (a kept rendezvous store's thread may stay, by design)."""
-    return [n for n in threads["python"] if n.startswith("asyncdist")] + [
-        n for n in threads["os"] if "gloo" in n
-    ]
+    session was left (a kept rendezvous store's thread may stay, by design).
+
+    ``cut_off``: the rank could not reach the store host when it left. Reading
+    a leave notice there is abandoned after ``NOTICE_TIMEOUT`` (the error is
+    not held up), but its thread stays blocked in torch's TCPStore client,
+    which has no receive timeout (``set_timeout`` does not bound it), until
+    the network heals; the final check, after the heal, requires it gone.
+    """
+    python = [n for n in threads["python"] if n.startswith("asyncdist")]
+    if cut_off:
+        python = [n for n in python if n != "asyncdist-notice"]
+    return python + [n for n in threads["os"] if "gloo" in n]
 
 
 def _check(
@@ -216,7 +225,10 @@ def _check(
         # leaving after the error returns at once: it waits for nothing more
         assert report["t_left"] - report["t_error"] < WATCHDOG_GRACE, report
         assert not report["initialized_after"], f"rank {rank} left the group initialised"
-        assert not _left_threads(report["threads"]), f"rank {rank}: {report['threads']}"
+        # a rank cut off from the store may leave a notice read blocked until the heal
+        cut_off = report["t_left"] - report["t_error"] >= NOTICE_TIMEOUT
+        left = _left_threads(report["threads"], cut_off=cut_off)
+        assert not left, f"rank {rank}: {report['threads']}"
     for report in final:
         assert report["ok"]
         assert report["state"] == "closed"
