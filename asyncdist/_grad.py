@@ -483,12 +483,12 @@ class GradientSync:
         self._buckets = [
             _Bucket([params[i] for i in group], device, narrow, mean_of) for group in groups
         ]
-        where: list[tuple[_Bucket, int] | None] = [None] * len(self._params)
-        for bucket in self._buckets:
-            for slot, param in enumerate(bucket.params):
-                where[self._index[id(param)]] = (bucket, slot)
-        self._where = [w for w in where if w is not None]
-        assert len(self._where) == len(self._params), "every parameter in one bucket"
+        where = {
+            self._index[id(param)]: (bucket, slot)
+            for bucket in self._buckets
+            for slot, param in enumerate(bucket.params)
+        }
+        self._where = [where[index] for index in range(len(self._params))]
 
     @property
     def bucket_sizes(self) -> list[int]:
