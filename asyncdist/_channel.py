@@ -114,5 +114,24 @@ class Channels:
             del self._forming[name]
             done.set()
 
+    def names(self) -> tuple[str, ...]:
+        """The names formed, in the order they were."""
+        return tuple(self._formed)
+
+    def reform(self, names: tuple[str, ...], form: Callable[[str], Lane]) -> None:
+        """Give each channel of ``names`` a lane of a new world (``form(name)``,
+        in that order, as every member does), keeping the ``Channel`` objects
+        the program holds; channels not in ``names`` are dropped."""
+        formed = {}
+        for name in names:
+            channel = self._formed.get(name)
+            lane = form(name)
+            if channel is None:
+                channel = Channel(name, lane)
+            else:
+                channel._lane = lane
+            formed[name] = channel
+        self._formed = formed
+
     def clear(self) -> None:
         self._formed.clear()

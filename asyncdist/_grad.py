@@ -435,17 +435,7 @@ class GradientSync:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._buckets: list[_Bucket] = []
         self._where: list[tuple[_Bucket, int]] = []  # by param index: (bucket, slot)
-        self._build(list(reversed(range(len(self._params)))))
-        self._arrivals: list[int] | None = []  # recorded during the first backward
-        self._ready = [False] * len(self._params)
-        self._next_launch = 0
-        self._landed = 0  # buckets of this step written back (and stepped)
-        self._parts: list[list[list[Any]]] | None = None  # this step's optimizer parts
-        self._order: Handle[list[int]] | None = None  # the pending bucket rebuild
-        self._buffers: Handle[None] | None = None  # this step's buffer broadcast
-        self._phase = _Phase.IDLE
-        self._finishing = False  # every bucket of this step is launched; awaiting them
-        self._stepped = False  # the update of this step is done; a manual step would repeat it
+        self._start()
         self._enabled = True
         self._removed = False
         optimizer = options.optimizer
@@ -465,6 +455,21 @@ class GradientSync:
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._guard))
             _LIVE_OPTIMIZERS[optimizer] = self
+
+    def _start(self) -> None:
+        """Fresh buckets over the carrier as it is now, and no step begun:
+        at creation, and in each new world of an elastic session."""
+        self._build(list(reversed(range(len(self._params)))))
+        self._arrivals: list[int] | None = []  # recorded during the first backward
+        self._ready = [False] * len(self._params)
+        self._next_launch = 0
+        self._landed = 0  # buckets of this step written back (and stepped)
+        self._parts: list[list[list[Any]]] | None = None  # this step's optimizer parts
+        self._order: Handle[list[int]] | None = None  # the pending bucket rebuild
+        self._buffers: Handle[None] | None = None  # this step's buffer broadcast
+        self._phase = _Phase.IDLE
+        self._finishing = False  # every bucket of this step is launched; awaiting them
+        self._stepped = False  # the update of this step is done; a manual step would repeat it
 
     # -- buckets ----------------------------------------------------------------------
 
@@ -780,6 +785,17 @@ def buckets_of(sync: GradientSync) -> tuple[_Bucket, ...]:
     its ``wire`` copy when compressed, and its ``handle`` while a step is in
     flight). A seam for tests and tools, not API."""
     return tuple(sync._buckets)
+
+
+def regenerate(syncs: weakref.WeakSet[GradientSync]) -> None:
+    """A new world of an elastic session: every sync starts afresh on its
+    carrier's new lane (new buckets for the new world size; the step that
+    was in flight is dropped, and its buckets with it, so a late write of
+    the old world lands nowhere the new one reads). Parameters are not
+    broadcast: the session restores the committed state on every rank."""
+    for sync in syncs:
+        if not sync._removed:
+            sync._start()
 
 
 def detach(syncs: weakref.WeakSet[GradientSync], *, rank: int, warn: bool) -> None:

@@ -195,6 +195,34 @@ def form_world(
         ) from exc
 
 
+def form_generation(
+    store: dist.Store,
+    generation: int,
+    rank: int,
+    world_size: int,
+    *,
+    timeout: float,
+    loopback: bool,
+) -> World:
+    """Initialise the default group of an elastic session's world
+    ``generation`` (gloo, CPU), its keys under ``pg/{generation}/`` of the
+    coordinator ``store``: a world never meets the groups of one before it.
+
+    Raises:
+        RuntimeError: a member did not join in time.
+    """
+    name_groups_afresh()
+    with gloo_on_loopback(loopback):
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"pg/{generation}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    return World(rank, world_size, 0, "gloo", torch.device("cpu"), "world", loopback=loopback)
+
+
 def adopt_world(rank: int | None, world_size: int | None) -> tuple[int, int, dict[str, str]]:
     """The initialised default group's (rank, world size, backend by device type).
 

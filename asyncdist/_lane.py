@@ -500,6 +500,17 @@ class Lane:
             ) from fault
         return self
 
+    def interrupt(self, error: BaseException) -> None:
+        """Break the tree with ``error`` and fail every outstanding op of this
+        lane and the lanes inside it with it (an elastic world ended: nobody
+        waits on a group that lost a member). The works stay where they are
+        until ``close``."""
+        self.health.record_fault(error)
+        for op in list(self._outstanding):
+            op.fail(error)
+        for child in self._children:
+            child.interrupt(error)
+
     def leave(self, how: Leaving) -> None:
         """Tell the peers that this rank leaves this lane (and the lanes inside
         it) on purpose, before any group is destroyed: a peer still waiting in

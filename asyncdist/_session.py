@@ -28,18 +28,25 @@ from . import _groups, _ops
 from ._channel import Channel, Channels, check_channel_name
 from ._collectives import Collectives
 from ._debug import debug_from_env
+from ._elastic import ElasticState, World, Worlds
 from ._env import (
     timeout_seconds,
 )
-from ._grad import GradientSync, Options, detach
+from ._grad import GradientSync, Options, detach, regenerate
 from ._lane import Lane
+from ._membership import Membership as _Membership
 from ._op import Op
 from ._progress import leaving_how, quiet_interrupt
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
+    CollectiveTimeout,
     InitError,
     Leaving,
+    MembershipChanged,
+    MembershipLost,
+    PeerFailure,
+    SessionBroken,
     SessionClosed,
 )
 
@@ -92,6 +99,13 @@ class DistSession(Collectives):
         channels: names of [channels][asyncdist.DistSession.channel] to form on
             entry (off the event loop with ``async with``), so that
             ``s.channel(name)`` never waits later.
+        elastic: keep training when a rank dies: the survivors form a new
+            world and go on from the last committed state (see
+            [elastic][asyncdist.DistSession.elastic] and the "Elastic
+            sessions" guide). Needs a coordinator that outlives the ranks
+            (``spawn(..., elastic=True)``); gloo on CPU.
+        min_world_size: (elastic) the fewest ranks a world may have; below it
+            the session ends with ``MembershipLost``.
     """
 
     def __init__(
@@ -108,7 +122,24 @@ class DistSession(Collectives):
         debug: bool = False,
         trace: bool | str | os.PathLike[str] = False,
         channels: Iterable[str] = (),
+        elastic: bool = False,
+        min_world_size: int = 1,
     ) -> None:
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be True or False, not {elastic!r}")
+        if isinstance(min_world_size, bool) or not isinstance(min_world_size, int):
+            raise TypeError(f"min_world_size must be an int, not {min_world_size!r}")
+        if min_world_size < 1:
+            raise ValueError(f"min_world_size must be at least 1, not {min_world_size}")
+        if elastic and (init_method is not None or device not in (None, "cpu")):
+            raise ValueError(
+                "an elastic session forms its groups on its coordinator, on CPU with gloo: "
+                "init_method= and a device other than the CPU are not supported with elastic=True"
+            )
+        if elastic and backend not in (None, "gloo"):
+            raise ValueError(f"an elastic session runs on gloo, not {backend!r}")
+        self._min_world_size = min_world_size
+        self._membership: _Membership | None = _Membership(min_world_size) if elastic else None
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:
             check_channel_name(name)
@@ -234,7 +265,10 @@ class DistSession(Collectives):
                 f"the DistSession of rank {self.rank} was closed; create a new DistSession "
                 "to start again"
             )
-        world = _groups.enter_world(self._wanted)
+        if self._membership is not None:
+            world = self._membership.enter(self._wanted, self._on_world_end)
+        else:
+            world = _groups.enter_world(self._wanted)
         self._local_rank, self._owned_store = world.local_rank, world.store
         comm = self._lane = Lane.root(world, timeout=self._timeout, debug=self._debug)
         if self._trace_path is not None:
@@ -283,6 +317,8 @@ class DistSession(Collectives):
         detach(self._syncs, rank=self.rank, warn=left == "finished")
         if left is not None and self._lane is not None:
             self._lane.leave(left)
+        if self._membership is not None:
+            self._membership.leave(left or "raised")
         for child in list(self._children):
             child._teardown()
         self._state = State.CLOSED
@@ -484,6 +520,167 @@ class DistSession(Collectives):
         sync = GradientSync(lane, module, options)
         self._syncs.add(sync)
         return sync
+
+    # -- elastic ------------------------------------------------------------------------
+
+    def elastic_state(self, **items: object) -> ElasticState:
+        """The training state an elastic session restores after a re-form.
+
+        Each item is either an object with ``state_dict()`` and
+        ``load_state_dict()`` (a module, an optimizer, a scheduler, a
+        ``GradScaler``), restored in place, or a plain value (a number, a
+        string, a list...), read and written as an attribute
+        (``state.step += 1``). Call ``state.commit()`` between steps, every
+        N steps: after a re-form every rank goes on from the latest commit
+        any survivor holds. See [elastic][asyncdist.DistSession.elastic].
+
+        Raises:
+            AsyncDistError: the session is not elastic.
+            TypeError: an item is neither.
+        """
+        self._elastic_membership("elastic_state")
+        return ElasticState(items, self._busy_sync)
+
+    def elastic(self, state: ElasticState) -> Worlds:
+        """The worlds of an elastic session: ``async for world in
+        s.elastic(state):`` (``for`` in sync code), the body inside ``async
+        with world:`` (``with world:``).
+
+        The first world starts from rank 0's ``state`` (sent to every rank,
+        then committed). When a rank dies, goes silent past the timeout or
+        leaves, the block ends with the failure, the survivors agree on a new
+        world on the coordinator (a strict majority of the last world, at
+        least ``min_world_size``), re-form the session's groups and channels
+        in the same processes, restore the latest commit any of them holds
+        (from the new rank 0, by broadcast: every rank's state is bitwise the
+        same), and the loop yields the new world: the step in flight and any
+        step after the commit are redone. Gradient syncs go on, rebuilt for
+        the new world size. When the block ends normally the loop stops.
+
+        Raises:
+            AsyncDistError: the session is not elastic, or the body did not
+                run inside ``with world:``.
+            MembershipLost: (from the loop) no next world for this rank.
+        """
+        membership = self._elastic_membership("elastic")
+        if not isinstance(state, ElasticState):
+            raise TypeError(
+                f"elastic: state must come from s.elastic_state(...), not {type(state).__name__}"
+            )
+        return Worlds(
+            functools.partial(self._first_world, membership, state),
+            functools.partial(self._next_world, membership, state),
+        )
+
+    def _elastic_membership(self, op: str) -> _Membership:
+        self._usable(op)
+        if self._membership is None:
+            raise AsyncDistError(
+                f"{op}: this session is not elastic; use DistSession(elastic=True) (launched "
+                "by spawn(..., elastic=True))"
+            )
+        return self._membership
+
+    def _busy_sync(self) -> str | None:
+        """A gradient sync of this session with a step in flight, by name."""
+        return next((repr(sync) for sync in self._syncs if sync.pending), None)
+
+    def _ends_world(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised in a world's block, is the end of that
+        world (a peer failed, went silent, or the world was declared over),
+        rather than the program's own error."""
+        if isinstance(exc, MembershipLost):
+            return False
+        if isinstance(exc, (MembershipChanged, PeerFailure, CollectiveTimeout)):
+            return True
+        lane = self._lane
+        return isinstance(exc, SessionBroken) and lane is not None and lane.health.fault is not None
+
+    def _on_world_end(self, generation: int, reason: str) -> None:
+        """The watcher heard that world ``generation`` is over: fail what is
+        outstanding in it, so nobody waits on a group that lost a member."""
+        membership, lane = self._membership, self._lane
+        if membership is None or lane is None or membership.generation != generation:
+            return
+        lane.interrupt(self._world_over(generation, reason, lane.rank))
+
+    @staticmethod
+    def _world_over(generation: int, reason: str, rank: int) -> MembershipChanged:
+        return MembershipChanged(
+            f"world {generation} of the elastic session is over on rank {rank} ({reason}); "
+            "inside `with world:` the elastic loop re-forms",
+            op="elastic",
+            rank=rank,
+            generation=generation,
+            reason=reason,
+        )
+
+    def _world(self, membership: _Membership, restored: int, reason: str) -> World:
+        return World(
+            self.rank,
+            self.world_size,
+            membership.generation,
+            restored,
+            reason,
+            _ends=self._ends_world,
+        )
+
+    def _share_state(self, state: ElasticState) -> int:
+        """Every rank takes rank 0's last commit; its count."""
+        comm = self._usable("elastic")
+        committed = state.committed() if comm.rank == 0 else None
+        commits, snapshot = self.broadcast_object(committed, src=0).wait()
+        if snapshot is not None:
+            state.restore(commits, snapshot)
+        return int(commits)
+
+    def _first_world(self, membership: _Membership, state: ElasticState) -> World:
+        if self._busy_sync() is None and state.commits == 0 and self.rank == 0:
+            state.commit()  # the state as the loop found it
+        return self._world(membership, self._share_state(state), "")
+
+    def _next_world(self, membership: _Membership, state: ElasticState, ended: World) -> World:
+        """Re-form after ``ended``'s block failed: agree, form, restore.
+
+        Raises:
+            MembershipLost: no next world for this rank (the session is
+                broken with it).
+        """
+        error = ended.error
+        reason = (
+            error.reason
+            if isinstance(error, MembershipChanged)
+            else f"{type(error).__name__} on rank {ended.rank}: {error}"
+        )
+        old = self._lane
+        assert old is not None
+        membership.end(reason)
+        old.health.record_fault(self._world_over(membership.generation, reason, old.rank))
+        for child in list(self._children):
+            child._teardown()
+        names = self._channels.names()
+        # the old world's groups go: gloo has no abort, but a dead peer's
+        # connections are closed, so its ops have failed already
+        old.close()
+        try:
+            decision = membership.reform(reason, old.rank, state.commits, names)
+            rank = decision.members.index(membership.me)
+            world = membership.form(decision.generation, rank, len(decision.members))
+        except (MembershipLost, InitError) as exc:
+            lost = (
+                exc if isinstance(exc, MembershipLost) else MembershipLost(str(exc), why="timeout")
+            )
+            old.health.record_fault(lost)
+            old.health.mark_seen(lost)
+            raise lost from (None if lost is exc else exc)
+        lane = Lane.root(world, timeout=self._timeout, debug=self._debug)
+        lane.tracer = old.tracer
+        self._lane = lane
+        lane.form_side_groups()
+        self._channels.reform(decision.channels, lane.channel)
+        regenerate(self._syncs)
+        restored = self._share_state(state)
+        return self._world(membership, restored, decision.reason)
 
     # -- tracing ------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._debug import debug_from_env
+from ._membership import COORDINATOR_ENV, dead_key
 from ._store import host_loopback_store
 from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken, mismatch_hint
 
@@ -76,6 +78,8 @@ def _child(
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
+    if session_options.get("elastic"):
+        os.environ[COORDINATOR_ENV] = f"127.0.0.1:{port}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import anyio
     import torch
@@ -190,6 +194,8 @@ def spawn(
     channels: Sequence[str] = (),
     async_backend: str = "asyncio",
     join_timeout: float | None = None,
+    elastic: bool = False,
+    min_world_size: int = 1,
 ) -> list[Any]:
     """Run ``fn(session, *args)`` on ``world_size`` local ranks and return their results.
 
@@ -215,9 +221,15 @@ def spawn(
         debug: verify collectives across ranks (``DistSession(debug=True)``).
         channels: channels each session forms on entry.
         join_timeout: wall-clock bound for the whole run; ``None``: none.
+        elastic: each session is ``DistSession(elastic=True, min_world_size=...)``
+            and this process is their coordinator: a rank's death is told to
+            the others (who re-form without it) instead of ending the run.
+        min_world_size: (elastic) the fewest ranks a world may have.
 
     Returns:
-        The ranks' return values, indexed by rank.
+        The ranks' return values, indexed by launch rank. With ``elastic``,
+        a rank that died holds its ``PeerFailure`` (saying how it exited)
+        instead, as ``asyncio.gather(..., return_exceptions=True)`` does.
 
     Raises:
         TypeError: ``fn`` cannot be pickled (a lambda or nested function).
@@ -248,6 +260,8 @@ def spawn(
         "debug": debug,
         "channels": tuple(channels),
     }
+    if elastic:
+        options |= {"elastic": True, "min_world_size": min_world_size}
     store = host_loopback_store(world_size, timeout or 300.0)
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -275,7 +289,7 @@ def spawn(
             procs.append(proc)
             conns[rank] = receiver
         debugging = debug or debug_from_env()
-        return _collect(procs, conns, join_timeout, debugging)
+        return _collect(procs, conns, join_timeout, debugging, store if elastic else None)
     finally:
         _kill_and_reap(procs)
         for conn in conns.values():
@@ -353,6 +367,7 @@ def _collect(
     conns: dict[int, multiprocessing.connection.Connection],
     join_timeout: float | None,
     debug: bool = False,
+    coordinator: Any = None,
 ) -> list[Any]:
     """Gather every rank's message; on failure, the root cause.
 
@@ -362,6 +377,10 @@ def _collect(
     see ``PeerFailure`` as soon as it leaves its session. So when the first
     error is such a consequence, the others get ``CAUSE_GRACE`` seconds, and
     the earliest error that is not a consequence wins.
+
+    ``coordinator``: the store of an elastic run. A rank that dies there is
+    written down as dead (so the others re-form without waiting for it)
+    and its slot of the results holds its error; the run goes on.
     """
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
@@ -398,6 +417,11 @@ def _collect(
                 error: BaseException = _died(rank, procs[rank].exitcode, debug)
                 if procs[rank].exitcode == UNGUARDED_EXIT:
                     raise error  # every rank fails so: no grace is worth waiting
+                if coordinator is not None:
+                    member = f"{socket.gethostname()}:{procs[rank].pid}"
+                    coordinator.set(dead_key(member), f"exit {procs[rank].exitcode}")
+                    results[rank] = error
+                    continue
             elif message[0] == "ok":
                 results[rank] = message[1]
                 continue

@@ -6,10 +6,13 @@ Hierarchy::
     ├── InitError            the process group could not be formed
     ├── SessionClosed        the session is not open (never entered, or left)
     ├── SessionBroken        an earlier collective failed; the session is unusable
+    │   └── MembershipLost   an elastic session could not go on (too few ranks,
+    │                        no majority, evicted, re-forming timed out)
     ├── CollectiveMismatch   ranks issued different collectives (debug mode)
     └── CollectiveError      a launched collective did not complete
         ├── CollectiveTimeout   ... because a peer stayed silent (also a TimeoutError)
         ├── PeerFailure         ... because a peer died, or left the session early
+        ├── MembershipChanged   ... because an elastic session is re-forming
         └── FinishError         ... because its local finishing step failed on this
                                 rank (the session stays usable)
 
@@ -36,6 +39,8 @@ __all__ = [
     "CollectiveTimeout",
     "FinishError",
     "InitError",
+    "MembershipChanged",
+    "MembershipLost",
     "PeerFailure",
     "SessionBroken",
     "SessionClosed",
@@ -104,6 +109,43 @@ class PeerFailure(CollectiveError):
     vanished may have been aborted by gloo, which is how gloo reports
     mismatched collectives: the message then points at ``debug=True``.
     """
+
+
+class MembershipChanged(CollectiveError):
+    """Raised in an elastic session when the world a collective (or a
+    ``commit``) belongs to is being re-formed: a peer died, went silent or
+    was cut off. ``async with world:`` catches it (and the ``PeerFailure`` or
+    ``CollectiveTimeout`` that started it), and the elastic loop re-forms.
+
+    Attributes:
+        generation: the world (by generation) that ended.
+        reason: what ended it, in words.
+    """
+
+    def __init__(
+        self, message: str, *, op: str = "", rank: int = -1, generation: int = -1, reason: str = ""
+    ) -> None:
+        super().__init__(message, op=op, rank=rank)
+        self.generation = generation
+        self.reason = reason
+
+
+class MembershipLost(SessionBroken):
+    """Raised when an elastic session cannot form its next world: fewer
+    ranks than ``min_world_size`` are left, the survivors are not a strict
+    majority of the last world (the other side of a partition may go on), this
+    rank was left out of the new world, or the re-forming did not finish
+    within the session timeout. The message names which, and who is gone.
+
+    Attributes:
+        why: ``"too_few"``, ``"no_majority"``, ``"evicted"``, ``"timeout"``
+            or ``"coordinator"`` (the store that coordinates the members is
+            unreachable).
+    """
+
+    def __init__(self, message: str, *, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class FinishError(CollectiveError):

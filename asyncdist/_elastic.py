@@ -1,0 +1,251 @@
+"""Elastic sessions: the state that survives a re-form, and the loop over worlds.
+
+``ElasticState`` holds what training needs to go on (modules, optimizers,
+schedulers: anything with ``state_dict``/``load_state_dict``; plain values as
+attributes) and its last committed copy, in memory. ``Worlds`` is what
+``DistSession.elastic(state)`` returns: each ``World`` it yields is one
+membership of the session; the body runs inside ``with world:`` (or
+``async with world:``), which catches the failure that ends a world so the
+loop can re-form. (An exception raised in a ``for`` body never reaches the
+iterator: hence the block.)
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import torch
+
+from .errors import AsyncDistError
+
+
+class ElasticState:
+    """Training state that an elastic session restores after a re-form.
+
+    Made by [DistSession.elastic_state][asyncdist.DistSession.elastic_state].
+    ``commit()`` copies it in memory; after a re-form every rank holds the
+    latest commit any survivor made (sent from the new rank 0), loaded in
+    place: the same module and optimizer objects, with the committed values.
+    """
+
+    def __init__(self, items: dict[str, Any], busy: Callable[[], str | None]) -> None:
+        objects, values = {}, {}
+        for name, item in items.items():
+            if callable(getattr(item, "state_dict", None)) and callable(
+                getattr(item, "load_state_dict", None)
+            ):
+                objects[name] = item
+            elif callable(item) or isinstance(item, torch.Tensor):
+                raise TypeError(
+                    f"elastic_state: {name}= must have state_dict()/load_state_dict() (a "
+                    f"module, optimizer, scheduler...) or be a plain value (a number, a "
+                    f"string, a list...), not {type(item).__name__}"
+                )
+            else:
+                values[name] = item
+        object.__setattr__(self, "_objects", objects)
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_busy", busy)
+        object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "_commits", 0)
+
+    # plain values read and written as attributes: state.step += 1
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__["_values"]
+        if name in values:
+            return values[name]
+        if name in self.__dict__["_objects"]:
+            return self.__dict__["_objects"][name]
+        raise AttributeError(f"the elastic state has no {name!r}; give it to elastic_state()")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("_snapshot", "_commits"):
+            object.__setattr__(self, name, value)
+            return
+        if name not in self._values:
+            raise AttributeError(
+                f"the elastic state has no value {name!r}: only the plain values given to "
+                f"elastic_state() ({', '.join(self._values) or 'none'}) can be set"
+            )
+        self._values[name] = value
+
+    def __repr__(self) -> str:
+        names = ", ".join([*self._objects, *(f"{k}={v!r}" for k, v in self._values.items())])
+        return f"<ElasticState {names}; {self._commits} commits>"
+
+    @property
+    def commits(self) -> int:
+        """How many commits the state holds (a restore brings the count of
+        the commit it restored)."""
+        return self._commits
+
+    def commit(self) -> None:
+        """Copy the state in memory: after a re-form, training goes on from
+        the latest commit. Call it between steps (after the optimizer
+        stepped), every N steps; it is local, and as cheap as copying the
+        state once.
+
+        Raises:
+            AsyncDistError: a gradient sync's step is launched but not
+                finished (``await sync`` first): its values would be half a step.
+        """
+        busy = self._busy()
+        if busy is not None:
+            raise AsyncDistError(
+                f"commit() while {busy} has a step in flight: `await sync` (or "
+                "`sync.wait()`) before committing, so the copy is a whole step"
+            )
+        self._snapshot = self._take()
+        self._commits += 1
+
+    def _take(self) -> dict[str, Any]:
+        return {
+            "objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objects.items()},
+            "values": copy.deepcopy(self._values),
+        }
+
+    def committed(self) -> tuple[int, dict[str, Any] | None]:
+        """(commits, the last commit) to send to the ranks of a new world."""
+        return self._commits, self._snapshot
+
+    def restore(self, commits: int, snapshot: dict[str, Any]) -> None:
+        """Load ``snapshot`` in place (it becomes this rank's last commit,
+        ``commits`` its count); gradients are cleared (``None``), as after
+        ``zero_grad()``: those of the step in flight are gone."""
+        for name, item in self._objects.items():
+            # a copy: an optimizer keeps the tensors it is given, and steps them in place
+            item.load_state_dict(copy.deepcopy(snapshot["objects"][name]))
+            if isinstance(item, torch.nn.Module):
+                for param in item.parameters():
+                    param.grad = None
+            elif isinstance(item, torch.optim.Optimizer):
+                item.zero_grad(set_to_none=True)
+        self._values.clear()
+        self._values.update(copy.deepcopy(snapshot["values"]))
+        self._snapshot = snapshot
+        self._commits = commits
+
+
+class _Ending(enum.Enum):
+    RUNNING = "running"
+    FINISHED = "finished"  # the block ended normally: training is done
+    FAILED = "failed"  # a peer failed: the loop re-forms
+
+
+@dataclass(eq=False)
+class World:
+    """One membership of an elastic session, yielded by
+    [DistSession.elastic][asyncdist.DistSession.elastic]. Run the body inside
+    ``with world:`` (``async with world:``): the failure that ends this world
+    is caught there, and the loop re-forms.
+
+    Attributes:
+        rank: this process's rank in this world.
+        world_size: how many ranks it has.
+        generation: 0 for the first world, one more after every re-form.
+        restored: how many commits the state restored at its start holds
+            (0: the state as it was when the loop began).
+        reason: why the previous world ended ("" for the first).
+    """
+
+    rank: int
+    world_size: int
+    generation: int
+    restored: int
+    reason: str
+    _ending: _Ending = field(default=_Ending.RUNNING, repr=False)
+    _entered: bool = field(default=False, repr=False)
+    _ends: Callable[[BaseException], bool] = field(default=lambda exc: False, repr=False)
+    error: BaseException | None = field(default=None, repr=False)
+
+    def __enter__(self) -> World:
+        self._entered = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            self._ending = _Ending.FINISHED
+            return False
+        if self._ends(exc):
+            self._ending = _Ending.FAILED
+            self.error = exc.with_traceback(None)
+            return True
+        return False
+
+    async def __aenter__(self) -> World:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        return self.__exit__(exc_type, exc, tb)
+
+
+class Worlds:
+    """The worlds of an elastic session, one per membership: ``for world in
+    s.elastic(state)`` or ``async for``. The first is formed already; after
+    a ``with world:`` block that a failure ended, the next is re-formed (off
+    the event loop with ``async for``); after one that ended normally, the
+    loop stops."""
+
+    def __init__(
+        self,
+        first: Callable[[], World],
+        following: Callable[[World], World],
+    ) -> None:
+        self._first = first
+        self._following = following
+        self._current: World | None = None
+
+    def _next_step(self) -> Callable[[], World] | None:
+        current = self._current
+        if current is None:
+            return self._first
+        if not current._entered:
+            raise AsyncDistError(
+                "the body of an elastic loop must run inside `with world:` (`async with "
+                "world:`): that block catches the failure that ends a world, so the loop "
+                "can re-form"
+            )
+        if current._ending is _Ending.FINISHED:
+            return None
+        if current._ending is _Ending.RUNNING:
+            raise AsyncDistError("the elastic loop went on while its world's block was still open")
+        return lambda: self._following(current)
+
+    def __iter__(self) -> Worlds:
+        return self
+
+    def __next__(self) -> World:
+        step = self._next_step()
+        if step is None:
+            raise StopIteration
+        world = self._current = step()
+        return world
+
+    def __aiter__(self) -> Worlds:
+        return self
+
+    async def __anext__(self) -> World:
+        step = self._next_step()
+        if step is None:
+            raise StopAsyncIteration
+        # re-forming waits for peers and the coordinator: off the loop, and whole
+        with anyio.CancelScope(shield=True):
+            world = await anyio.to_thread.run_sync(step)
+        self._current = world
+        return world

@@ -1,0 +1,506 @@
+"""Membership: who is in an elastic session's next world, agreed on a store
+that outlives every rank.
+
+The coordinator is a ``TCPStore`` hosted by a process that is not a rank
+(``spawn``'s parent today), named by ``ASYNCDIST_COORDINATOR=host:port``. It
+is linearizable, so one ``compare_set`` from ``""`` is a decision nobody can
+overwrite: there is no consensus among the ranks themselves, and a side cut
+off from the store decides nothing. Keys, under ``ROOT``:
+
+* ``rank/{r}``: the member id (``host:pid``) of launch rank ``r`` (world 0);
+* ``hb/{member}``: a counter each member's watcher thread adds to;
+* ``dead/{member}``: the member is gone for sure (its launcher saw it exit,
+  or it left its session);
+* ``gen/{g}/reform``: world ``g`` is over, and why (its first writer wins);
+* ``gen/{g}/report/{member}``: a survivor of world ``g`` and its progress;
+* ``gen/{g}/world``: the decision: world ``g``'s members in rank order, or
+  why there is none;
+* ``pg/{g}/...``: world ``g``'s process groups (gloo's own keys).
+
+The rule (``decide``): the survivors that reported go on when they are a
+strict majority of world ``g``'s members not known to be gone (so two sides
+of a partition never both go on) and at least ``min_world_size``. The new
+rank 0 is the survivor with the most commits (on a tie the lowest old rank),
+so the state every rank restores is the latest any survivor committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ._env import detect, is_loopback
+from ._groups import form_generation
+from .errors import InitError, MembershipLost
+
+logger = logging.getLogger("asyncdist")
+
+ROOT = "asyncdist/elastic"  # a PrefixStore puts "/" after it
+COORDINATOR_ENV = "ASYNCDIST_COORDINATOR"
+HEARTBEAT = 0.25  # seconds between a member's beats (and its look at the reform key)
+POLL = 0.02  # seconds between looks while re-forming
+# Past the session timeout, what a re-forming may take (reports, decision,
+# forming the groups); the proposer waits this long for a missing report.
+REFORM_GRACE = 5.0
+
+
+def member_id() -> str:
+    """This process's id among the members: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def dead_key(member: str) -> str:
+    """The key a launcher writes when ``member`` exited (see ``_spawn``)."""
+    return f"{ROOT}/dead/{member}"
+
+
+def coordinator_address() -> tuple[str, int] | None:
+    """``ASYNCDIST_COORDINATOR`` as (host, port), or None if unset."""
+    value = os.environ.get(COORDINATOR_ENV)
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{COORDINATOR_ENV}={value!r} is not host:port")
+    return host, int(port)
+
+
+def connect(address: tuple[str, int], timeout: float) -> dist.Store:
+    """A client of the coordinator store at ``address``, keys under ``ROOT``."""
+    host, port = address
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(ROOT, store)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A survivor of a world, as it reports itself for the next one."""
+
+    member: str
+    rank: int  # its rank in the world that ended
+    commits: int  # how many commits its state holds
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The next world: its members in rank order, and what they restore."""
+
+    generation: int
+    members: tuple[str, ...]
+    commits: int  # the commits of the state rank 0 restores and sends
+    channels: tuple[str, ...]  # the channels to form again, in order
+    reason: str
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "members": list(self.members),
+                "commits": self.commits,
+                "channels": list(self.channels),
+                "reason": self.reason,
+            }
+        )
+
+
+def decide(
+    generation: int,
+    members: Sequence[str],
+    reports: dict[str, Report],
+    gone: set[str],
+    *,
+    min_world_size: int,
+    channels: Sequence[str],
+    reason: str,
+) -> Decision | MembershipLost:
+    """World ``generation``'s members, from world ``generation - 1``'s
+    ``members`` (in rank order), the survivors' ``reports`` and who is known
+    to be ``gone``; or why there is none. Pure: every proposer with the same
+    view decides the same."""
+    alive = sorted(reports.values(), key=lambda r: r.rank)
+    base = [m for m in members if m not in gone or m in reports]
+    missing = [f"rank {members.index(m)}" for m in members if m not in reports]
+    lost = ", ".join(missing) or "none"
+    if len(alive) * 2 <= len(base):
+        return MembershipLost(
+            f"{len(alive)} of the {len(base)} ranks of world {generation - 1} not known to be "
+            f"gone reached the coordinator (missing: {lost}); going on needs a strict majority "
+            "(the others may be alive on the other side of a partition)",
+            why="no_majority",
+        )
+    if len(alive) < min_world_size:
+        return MembershipLost(
+            f"{len(alive)} rank(s) are left of world {generation - 1} (gone: {lost}), fewer "
+            f"than min_world_size={min_world_size}",
+            why="too_few",
+        )
+    source = max(alive, key=lambda r: (r.commits, -r.rank))
+    order = [source] + [r for r in alive if r is not source]
+    return Decision(
+        generation,
+        tuple(r.member for r in order),
+        source.commits,
+        tuple(channels),
+        reason,
+    )
+
+
+def _decoded(generation: int, text: str) -> Decision | MembershipLost:
+    data = json.loads(text)
+    if "fail" in data:
+        return MembershipLost(data["fail"], why=data["why"])
+    return Decision(
+        generation,
+        tuple(data["members"]),
+        int(data["commits"]),
+        tuple(data["channels"]),
+        data["reason"],
+    )
+
+
+def _failure(error: MembershipLost) -> str:
+    return json.dumps({"fail": str(error), "why": error.why})
+
+
+class Coordinator:
+    """One member's view of the coordinator store: generation 0's forming,
+    the re-forming protocol, and its keys."""
+
+    def __init__(self, store: dist.Store, me: str, timeout: float) -> None:
+        self.store = store
+        self.me = me
+        self.timeout = timeout
+
+    def create(self, key: str, value: str) -> str:
+        """Write ``value`` under ``key`` unless the key exists; the value it
+        holds now (``value``, or the first writer's)."""
+        return self.store.compare_set(key, "", value).decode()
+
+    def has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def read(self, key: str) -> str:
+        return self.store.get(key).decode()
+
+    # -- world 0 --------------------------------------------------------------------
+
+    def first_world(self, rank: int, world_size: int) -> tuple[str, ...]:
+        """Register as launch rank ``rank``; world 0's members once all
+        ``world_size`` registered.
+
+        Raises:
+            MembershipLost: a rank did not register within the timeout, or a
+                world was formed already (this process joined late).
+        """
+        if self.has("gen/0/reform") or self.has("gen/1/world"):
+            raise MembershipLost(
+                f"launch rank {rank} started after the elastic session's first world ended; "
+                "joining a running elastic session is not supported yet",
+                why="evicted",
+            )
+        self.create(f"rank/{rank}", self.me)
+        self.store.add(f"hb/{self.me}", 1)
+        keys = [f"rank/{r}" for r in range(world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise MembershipLost(
+                f"not every one of the {world_size} ranks registered with the coordinator "
+                f"within {self.timeout:g} s ({exc})",
+                why="timeout",
+            ) from exc
+        return tuple(self.read(key) for key in keys)
+
+    # -- re-forming -------------------------------------------------------------------
+
+    def end(self, generation: int, reason: str) -> str:
+        """Declare world ``generation`` over; why it ended (the first word wins)."""
+        return self.create(f"gen/{generation}/reform", reason)
+
+    def reform(
+        self,
+        generation: int,
+        members: Sequence[str],
+        mine: Report,
+        *,
+        min_world_size: int,
+        channels: Sequence[str],
+        reason: str,
+    ) -> Decision:
+        """Agree with the survivors on world ``generation + 1``.
+
+        Raises:
+            MembershipLost: too few, no majority, this member left out, or
+                no decision within the timeout plus ``REFORM_GRACE``.
+        """
+        ended = self.end(generation, reason)
+        self.create(
+            f"gen/{generation}/report/{self.me}",
+            json.dumps({"rank": mine.rank, "commits": mine.commits}),
+        )
+        start = time.monotonic()
+        wait_all_until = start + REFORM_GRACE  # then go on without the missing
+        deadline = start + self.timeout + REFORM_GRACE
+        key = f"gen/{generation + 1}/world"
+        beats: dict[str, tuple[int, float]] = {}
+        while True:
+            now = time.monotonic()
+            if self.has(key):
+                decided = _decoded(generation + 1, self.read(key))
+                break
+            reports = self._reports(generation, members)
+            gone = self._gone(members, beats, now)
+            proposer = min(reports.values(), key=lambda r: r.rank).member
+            everyone = all(m in reports or m in gone for m in members)
+            late = now >= wait_all_until
+            # the lowest surviving rank proposes; after the deadline anyone may
+            if (proposer == self.me and (everyone or late)) or now >= deadline:
+                proposal = decide(
+                    generation + 1,
+                    members,
+                    reports,
+                    gone,
+                    min_world_size=min_world_size,
+                    channels=channels,
+                    reason=ended,
+                )
+                text = proposal.encode() if isinstance(proposal, Decision) else _failure(proposal)
+                decided = _decoded(generation + 1, self.create(key, text))
+                break
+            if now >= deadline + REFORM_GRACE:
+                raise MembershipLost(
+                    f"world {generation + 1} was not agreed on within "
+                    f"{self.timeout + 2 * REFORM_GRACE:g} s",
+                    why="timeout",
+                )
+            time.sleep(POLL)
+        if isinstance(decided, MembershipLost):
+            raise decided
+        if self.me not in decided.members:
+            raise MembershipLost(
+                f"world {generation + 1} was formed without this process ({self.me}): the "
+                "others did not hear from it in time. Restart it to train again",
+                why="evicted",
+            )
+        return decided
+
+    def _reports(self, generation: int, members: Sequence[str]) -> dict[str, Report]:
+        reports = {}
+        for member in members:
+            key = f"gen/{generation}/report/{member}"
+            if self.has(key):
+                data = json.loads(self.read(key))
+                reports[member] = Report(member, int(data["rank"]), int(data["commits"]))
+        return reports
+
+    def _gone(
+        self, members: Sequence[str], beats: dict[str, tuple[int, float]], now: float
+    ) -> set[str]:
+        """Members known to be gone: a launcher saw them exit, they left, or
+        their heartbeat stood still for the session timeout."""
+        gone = set()
+        for member in members:
+            if self.has(f"dead/{member}"):
+                gone.add(member)
+                continue
+            count = int(self.store.add(f"hb/{member}", 0))
+            last = beats.get(member)
+            if last is None or last[0] != count:
+                beats[member] = (count, now)
+            elif now - last[1] >= self.timeout:
+                gone.add(member)
+        return gone
+
+    def leave(self, how: str) -> None:
+        """This member is gone for good (its session ended)."""
+        self.create(f"dead/{self.me}", how)
+
+    def forget(self, generation: int, members: Sequence[str]) -> None:
+        """Delete world ``generation``'s re-forming keys (the new rank 0 does,
+        once the next world formed), so the store does not grow per re-form."""
+        keys = [f"gen/{generation}/reform", f"gen/{generation}/world"]
+        keys += [f"gen/{generation}/report/{m}" for m in members]
+        for key in keys:
+            self.store.delete_key(key)
+
+
+class Watcher:
+    """A member's heartbeat, and its ear for the end of its world: a daemon
+    thread with a store client of its own (a blocked store call elsewhere
+    must not stop the beats)."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        me: str,
+        timeout: float,
+        on_end: Callable[[int, str], None],
+    ) -> None:
+        self._store = connect(address, timeout)
+        self._me = me
+        self._on_end = on_end
+        self.generation = 0
+        self._told = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"asyncdist-elastic-{me}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        beat = f"hb/{self._me}"
+        while not self._stop.wait(HEARTBEAT):
+            generation = self.generation
+            try:
+                self._store.add(beat, 1)
+                if self._told < generation and self._store.check([f"gen/{generation}/reform"]):
+                    reason = self._store.get(f"gen/{generation}/reform").decode()
+                    self._told = generation
+                    self._on_end(generation, reason)
+            except (RuntimeError, dist.DistError) as exc:
+                logger.debug("elastic watcher: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Membership:
+    """An elastic session's side of the coordinator: forming world 0, the
+    re-forming protocol, the watcher, and the members of the current world."""
+
+    def __init__(self, min_world_size: int) -> None:
+        self.min_world_size = min_world_size
+        self.me = member_id()
+        self.generation = 0
+        self.members: tuple[str, ...] = ()
+        self._coordinator: Coordinator | None = None
+        self._watcher: Watcher | None = None
+        self._address: tuple[str, int] | None = None
+        self._timeout = 0.0
+        self._loopback = False
+
+    @property
+    def coordinator(self) -> Coordinator:
+        assert self._coordinator is not None, "entered"
+        return self._coordinator
+
+    def enter(self, wanted: Any, on_end: Callable[[int, str], None]) -> Any:
+        """Form world 0 (``_groups.World``) from the launch environment.
+
+        Raises:
+            InitError: no coordinator, or world 0 did not form.
+        """
+        address = coordinator_address()
+        if address is None:
+            raise InitError(
+                "DistSession(elastic=True) needs a coordinator that outlives the ranks, named by "
+                f"{COORDINATOR_ENV}=host:port; launch with asyncdist.spawn(fn, n, elastic=True) "
+                "(or `asyncdist run --elastic`), which hosts one"
+            )
+        env = detect(rank=wanted.rank, world_size=wanted.world_size)
+        self._address, self._timeout = address, wanted.timeout
+        self._loopback = is_loopback(address[0])
+        try:
+            self._coordinator = Coordinator(
+                connect(address, wanted.timeout), self.me, wanted.timeout
+            )
+            self.members = self.coordinator.first_world(env.rank, env.world_size)
+        except MembershipLost:
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            raise InitError(
+                f"rank {env.rank}: the elastic coordinator at {address[0]}:{address[1]} "
+                f"did not answer, or not every rank registered with it ({exc})"
+            ) from exc
+        world = self.form(0, env.rank, env.world_size)
+        self._watcher = Watcher(address, self.me, wanted.timeout, on_end)
+        return world
+
+    def form(self, generation: int, rank: int, world_size: int) -> Any:
+        """World ``generation``'s default group (``_groups.World``).
+
+        Raises:
+            InitError: a member did not join within the timeout.
+        """
+        try:
+            return form_generation(
+                self.coordinator.store,
+                generation,
+                rank,
+                world_size,
+                timeout=self._timeout,
+                loopback=self._loopback,
+            )
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise InitError(
+                f"rank {rank} of {world_size}: world {generation} of the elastic session did "
+                f"not form within {self._timeout:g} s ({exc})"
+            ) from exc
+
+    def end(self, reason: str) -> None:
+        """Declare the current world over (every member's watcher hears it)."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.coordinator.end(self.generation, reason)
+
+    def reform(self, reason: str, rank: int, commits: int, channels: Sequence[str]) -> Decision:
+        """Agree on the next world; it becomes the current one.
+
+        Raises:
+            MembershipLost: no next world for this process.
+        """
+        try:
+            decision = self.coordinator.reform(
+                self.generation,
+                self.members,
+                Report(self.me, rank, commits),
+                min_world_size=self.min_world_size,
+                channels=channels,
+                reason=reason,
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            if isinstance(exc, MembershipLost):
+                raise
+            raise MembershipLost(
+                f"the elastic coordinator at {self._where()} stopped answering while world "
+                f"{self.generation + 1} was being agreed on ({exc})",
+                why="coordinator",
+            ) from exc
+        old, self.members = self.members, decision.members
+        self.generation = decision.generation
+        if self._watcher is not None:
+            self._watcher.generation = decision.generation
+        if decision.members[0] == self.me:  # the new rank 0 tidies up
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self.coordinator.forget(decision.generation - 1, old)
+        return decision
+
+    def _where(self) -> str:
+        host, port = self._address or ("?", 0)
+        return f"{host}:{port}"
+
+    def leave(self, how: str) -> None:
+        """This member's session ends: stop the beats, tell the others."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        if self._coordinator is not None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self._coordinator.leave(how)
+            self._coordinator = None

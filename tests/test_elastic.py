@@ -1,0 +1,396 @@
+"""Elastic sessions: the survivors of a dead rank re-form and keep training.
+
+Each scenario trains a small MLP with ``gradient_sync`` (Adam) on local gloo
+ranks under ``spawn(..., elastic=True)``; one rank SIGKILLs itself at the
+start of a step. The survivors must end bitwise equal to each other *and* to
+a reference that replays the same membership: a plain (not elastic) run on
+the first world's ranks up to the last commit before the death, then a plain
+run on the survivors' number of ranks from that state. Rank order in the new
+world: the survivors, by old rank (all hold the same commit).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from _stall import STALL_BOUND, no_stall
+
+from asyncdist import AsyncDistError, DistSession, InitError, MembershipLost, spawn
+from asyncdist._elastic import ElasticState
+from asyncdist._membership import REFORM_GRACE, Decision, Report, decide
+
+STEPS = 12
+EVERY = 3  # commit every this many steps
+TIMEOUT = 10.0  # the sessions' timeout: the re-forming bound is this + REFORM_GRACE
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    x, y = _batch(step, rank)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+# -- the elastic run -------------------------------------------------------------------
+
+
+async def _train(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
+    launch_rank = s.rank
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    worlds: list[tuple[int, int, int, int, int]] = []
+    caught_at = None
+    reformed_in = None
+    threads: list[int] = []
+    async for world in s.elastic(state):
+        worlds.append((world.generation, world.rank, world.world_size, world.restored, state.step))
+        async with world:
+            while state.step < STEPS:
+                if launch_rank == victim and world.generation == 0 and state.step == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _step(model, opt, state.step, world.rank)
+                await sync
+                opt.step()
+                state.step += 1
+                if caught_at is not None and reformed_in is None:
+                    reformed_in = time.monotonic() - caught_at
+                if state.step % EVERY == 0:
+                    state.commit()
+                if state.step == 2 or state.step == STEPS:
+                    threads.append(len(os.listdir("/proc/self/task")))  # OS threads, gloo's too
+        if world.error is not None:
+            caught_at = time.monotonic()
+    return {
+        "worlds": worlds,
+        "params": _params(model),
+        "reformed_in": reformed_in,
+        "threads": threads,
+    }
+
+
+def _train_sync(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
+    launch_rank = s.rank
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    worlds = []
+    for world in s.elastic(state):
+        worlds.append((world.generation, world.rank, world.world_size, world.restored, state.step))
+        with world:
+            while state.step < STEPS:
+                if launch_rank == victim and world.generation == 0 and state.step == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _step(model, opt, state.step, world.rank)
+                sync.wait()
+                opt.step()
+                state.step += 1
+                if state.step % EVERY == 0:
+                    state.commit()
+    return {"worlds": worlds, "params": _params(model)}
+
+
+# -- the reference: the same membership, replayed without elasticity ---------------------
+
+
+def _reference(
+    s: DistSession, start: dict[str, Any] | None, first: int, last: int
+) -> dict[str, Any]:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if start is not None:
+        # a copy: spawn hands tensor arguments over in shared memory, and
+        # Adam steps its state in place (the ranks would share one state)
+        start = copy.deepcopy(start)
+        model.load_state_dict(start["model"])
+        opt.load_state_dict(start["optimizer"])
+    sync = s.gradient_sync(model)
+    for step in range(first, last):
+        _step(model, opt, step, s.rank)
+        sync.wait()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "params": _params(model)}
+
+
+def _replayed(world_size: int, survivors: int, commit: int) -> list[torch.Tensor]:
+    before = spawn(_reference, world_size, args=(None, 0, commit), timeout=TIMEOUT)[0]
+    after = spawn(_reference, survivors, args=(before, commit, STEPS), timeout=TIMEOUT)
+    return list(after[0]["params"])
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# -- scenarios -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("victim", "async_backend"), [(2, "asyncio"), (0, "trio"), (1, "asyncio")])
+def test_survivors_of_a_killed_rank_go_on_bitwise_equal_to_a_replay(
+    victim: int, async_backend: str
+) -> None:
+    kill_at = 7 if victim else 5  # rank 0 dies right after a commit; the others after a step
+    results = spawn(
+        _train,
+        3,
+        args=(victim, kill_at),
+        elastic=True,
+        min_world_size=2,
+        timeout=TIMEOUT,
+        async_backend=async_backend,
+        join_timeout=60,
+    )
+    dead = results[victim]
+    assert isinstance(dead, Exception)
+    assert "exited with code -9" in str(dead)
+    alive = [r for i, r in enumerate(results) if i != victim]
+    commit = kill_at // EVERY * EVERY
+    for launch_rank, result in zip([i for i in range(3) if i != victim], alive, strict=True):
+        old_rank = launch_rank
+        new_rank = sorted(i for i in range(3) if i != victim).index(launch_rank)
+        # world 0 from the start; world 1 of 2 ranks, from the commit before the death
+        assert result["worlds"] == [
+            (0, old_rank, 3, 1, 0),
+            (1, new_rank, 2, 1 + commit // EVERY, commit),
+        ]
+        assert result["reformed_in"] < TIMEOUT + REFORM_GRACE
+        before, after = result["threads"]
+        # Known, not yet fixed: the first world's default gloo group (its 3 OS
+        # threads) outlives it; no Python object refers to it (see the guide's
+        # "What is not guaranteed"). Anything more is a new leak.
+        assert after <= before + 3, "more of the first world outlived it than its default group"
+    assert _bitwise(alive[0]["params"], alive[1]["params"])
+    assert _bitwise(alive[0]["params"], _replayed(3, 2, commit))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_sync_code_re_forms_through_the_sync_loop() -> None:
+    results = spawn(_train_sync, 3, args=(1, 4), elastic=True, min_world_size=2, timeout=TIMEOUT)
+    alive = [results[0], results[2]]
+    assert [r["worlds"][-1][:3] for r in alive] == [(1, 0, 2), (1, 1, 2)]
+    assert _bitwise(alive[0]["params"], alive[1]["params"])
+    assert _bitwise(alive[0]["params"], _replayed(3, 2, 3))
+
+
+async def _two_left_one(s: DistSession, min_world_size: int) -> dict[str, Any]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    sizes = []
+    caught = 0.0
+    try:
+        async for world in s.elastic(state):
+            sizes.append(world.world_size)
+            async with world:
+                while state.step < 6:
+                    if s.rank == 1 and world.generation == 0 and state.step == 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    _step(model, opt, state.step, world.rank)
+                    await sync
+                    opt.step()
+                    state.step += 1
+                    state.commit()
+            caught = time.monotonic()
+    except MembershipLost as exc:
+        return {"lost": exc.why, "after": time.monotonic() - caught, "message": str(exc)}
+    return {"sizes": sizes, "step": state.step}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_one_survivor_goes_on_alone_when_allowed() -> None:
+    results = spawn(_two_left_one, 2, args=(1,), elastic=True, timeout=TIMEOUT)
+    assert results[0] == {"sizes": [2, 1], "step": 6}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_below_min_world_size_the_survivor_is_told_within_the_bound() -> None:
+    results = spawn(_two_left_one, 2, args=(2,), elastic=True, min_world_size=2, timeout=TIMEOUT)
+    seen = results[0]
+    assert seen["lost"] == "too_few"
+    assert "fewer than min_world_size=2" in seen["message"]
+    assert seen["after"] < TIMEOUT + REFORM_GRACE
+
+
+# -- misuse ----------------------------------------------------------------------------
+
+
+async def _forgets_the_block(s: DistSession) -> str:
+    state = s.elastic_state(step=0)
+    try:
+        async for _world in s.elastic(state):
+            state.step += 1
+    except AsyncDistError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_loop_body_outside_with_world_is_refused() -> None:
+    said = spawn(_forgets_the_block, 2, elastic=True, timeout=TIMEOUT)
+    assert all("must run inside `with world:`" in s for s in said)
+
+
+async def _commits_mid_step(s: DistSession) -> str:
+    model = _model()
+    state = s.elastic_state(model=model)
+    sync = s.gradient_sync(model)
+    async for world in s.elastic(state):
+        async with world:
+            model(torch.ones(2, 6)).sum().backward()
+            try:
+                state.commit()
+            except AsyncDistError as exc:
+                said = str(exc)
+            await sync
+    return said
+
+
+def test_commit_with_a_step_in_flight_is_refused() -> None:
+    said = spawn(_commits_mid_step, 2, elastic=True, timeout=TIMEOUT)
+    assert all("await sync" in s and "in flight" in s for s in said)
+
+
+def test_an_elastic_session_without_a_coordinator_says_how_to_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ASYNCDIST_COORDINATOR", raising=False)
+    with pytest.raises(InitError, match=r"spawn\(fn, n, elastic=True\)"):
+        DistSession(elastic=True).__enter__()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"elastic": True, "backend": "nccl"}, ValueError),
+        ({"elastic": True, "init_method": "tcp://127.0.0.1:1"}, ValueError),
+        ({"elastic": 1}, TypeError),
+        ({"elastic": True, "min_world_size": 0}, ValueError),
+    ],
+)
+def test_bad_elastic_arguments_are_refused_at_construction(
+    kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        DistSession(**kwargs)
+
+
+def test_elastic_calls_on_a_plain_session_say_it_is_not_elastic() -> None:
+    with DistSession() as s, pytest.raises(AsyncDistError, match="not elastic"):
+        s.elastic_state(step=0)
+
+
+def test_elastic_state_values_are_attributes_and_objects_are_restored_in_place() -> None:
+    model = _model()
+    state = ElasticState({"model": model, "step": 3}, lambda: None)
+    state.commit()
+    state.step += 1
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    commits, snapshot = state.committed()
+    assert snapshot is not None
+    state.restore(commits, snapshot)
+    assert state.step == 3
+    assert _bitwise(_params(model), _params(_model()))
+    with pytest.raises(AttributeError, match="only the plain values"):
+        state.epoch = 1
+    with pytest.raises(TypeError, match="state_dict"):
+        ElasticState({"tensor": torch.ones(1)}, lambda: None)
+
+
+# -- the membership rule (pure) ---------------------------------------------------------
+
+
+MEMBERS = ["a", "b", "c", "d"]
+
+
+def _reports(*ranks_commits: tuple[int, int]) -> dict[str, Report]:
+    return {MEMBERS[r]: Report(MEMBERS[r], r, c) for r, c in ranks_commits}
+
+
+def test_the_survivor_with_the_latest_commit_becomes_rank_0() -> None:
+    decided = decide(
+        1,
+        MEMBERS,
+        _reports((1, 4), (2, 5), (3, 5)),
+        {"a"},
+        min_world_size=1,
+        channels=["gradients"],
+        reason="a died",
+    )
+    assert isinstance(decided, Decision)
+    assert decided.members == ("c", "b", "d")
+    assert decided.commits == 5
+
+
+def test_a_minority_never_goes_on() -> None:
+    # two of four heard, nobody known dead: the other two may be alive elsewhere
+    lost = decide(
+        1, MEMBERS, _reports((0, 1), (1, 1)), set(), min_world_size=1, channels=[], reason=""
+    )
+    assert isinstance(lost, MembershipLost)
+    assert lost.why == "no_majority"
+    # the same two, with the others known dead (their launcher saw them exit)
+    ok = decide(
+        1, MEMBERS, _reports((0, 1), (1, 1)), {"c", "d"}, min_world_size=1, channels=[], reason=""
+    )
+    assert isinstance(ok, Decision)
+    assert ok.members == ("a", "b")
+
+
+def test_fewer_than_min_world_size_is_refused() -> None:
+    lost = decide(
+        1,
+        MEMBERS,
+        _reports((0, 1), (1, 1), (2, 1)),
+        {"d"},
+        min_world_size=4,
+        channels=[],
+        reason="",
+    )
+    assert isinstance(lost, MembershipLost)
+    assert lost.why == "too_few"
+
+
+def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
+    """The worlds are formed on a worker thread (``Worlds.__anext__``): the
+    first world's state broadcast waits for a late peer without stalling."""
+    results = spawn(_late_peer, 2, elastic=True, timeout=TIMEOUT)
+    assert results[0] < STALL_BOUND
+
+
+async def _late_peer(s: DistSession) -> float:
+    if s.rank == 1:
+        await anyio.sleep(1.0)
+    state = s.elastic_state(step=0)
+    async with no_stall(what="elastic start", bound=10.0) as meter:  # measured, not judged
+        async for world in s.elastic(state):
+            async with world:
+                pass
+    return meter.max_stall
