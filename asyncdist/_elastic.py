@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import torch
 
-from .errors import AsyncDistError
+from .errors import AsyncDistError, MembershipChanged
 
 
 class ElasticState:
@@ -34,7 +34,12 @@ class ElasticState:
     place: the same module and optimizer objects, with the committed values.
     """
 
-    def __init__(self, items: dict[str, Any], busy: Callable[[], str | None]) -> None:
+    def __init__(
+        self,
+        items: dict[str, Any],
+        busy: Callable[[], str | None],
+        ends_at: Callable[[int], str | None] = lambda commits: None,
+    ) -> None:
         objects, values = {}, {}
         for name, item in items.items():
             if callable(getattr(item, "state_dict", None)) and callable(
@@ -52,6 +57,7 @@ class ElasticState:
         object.__setattr__(self, "_objects", objects)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_busy", busy)
+        object.__setattr__(self, "_ends_at", ends_at)
         object.__setattr__(self, "_snapshot", None)
         object.__setattr__(self, "_commits", 0)
 
@@ -65,7 +71,7 @@ class ElasticState:
         raise AttributeError(f"the elastic state has no {name!r}; give it to elastic_state()")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_snapshot", "_commits"):
+        if name in ("_snapshot", "_commits", "_ends_at"):
             object.__setattr__(self, name, value)
             return
         if name not in self._values:
@@ -91,9 +97,15 @@ class ElasticState:
         stepped), every N steps; it is local, and as cheap as copying the
         state once.
 
+        Every rank commits at the same steps: a commit is also where a
+        waiting joiner is taken in (the world then ends there, on every rank
+        alike, and ``with world:`` re-forms with it).
+
         Raises:
             AsyncDistError: a gradient sync's step is launched but not
                 finished (``await sync`` first): its values would be half a step.
+            MembershipChanged: (after the copy) the world ends here to take
+                in a joiner; ``with world:`` catches it.
         """
         busy = self._busy()
         if busy is not None:
@@ -101,6 +113,17 @@ class ElasticState:
                 f"commit() while {busy} has a step in flight: `await sync` (or "
                 "`sync.wait()`) before committing, so the copy is a whole step"
             )
+        self.take()
+        reason = self._ends_at(self._commits)
+        if reason is not None:
+            raise MembershipChanged(
+                f"the world ends at commit {self._commits} on every rank: {reason}",
+                op="commit",
+                reason=reason,
+            )
+
+    def take(self) -> None:
+        """Copy the state now (a commit, without its checks)."""
         self._snapshot = self._take()
         self._commits += 1
 
@@ -109,6 +132,14 @@ class ElasticState:
             "objects": {k: copy.deepcopy(o.state_dict()) for k, o in self._objects.items()},
             "values": copy.deepcopy(self._values),
         }
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is restored with this state (it is, or is part
+        of, one of its modules)."""
+        return any(
+            isinstance(item, torch.nn.Module) and any(m is module for m in item.modules())
+            for item in self._objects.values()
+        )
 
     def committed(self) -> tuple[int, dict[str, Any] | None]:
         """(commits, the last commit) to send to the ranks of a new world."""

@@ -787,6 +787,11 @@ def buckets_of(sync: GradientSync) -> tuple[_Bucket, ...]:
     return tuple(sync._buckets)
 
 
+def module_of(sync: GradientSync) -> torch.nn.Module:
+    """The module ``sync`` averages the gradients of."""
+    return sync._module
+
+
 def regenerate(syncs: weakref.WeakSet[GradientSync]) -> None:
     """A new world of an elastic session: every sync starts afresh on its
     carrier's new lane (new buckets for the new world size; the step that

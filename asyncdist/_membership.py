@@ -15,7 +15,19 @@ off from the store decides nothing. Keys, under ``ROOT``:
 * ``gen/{g}/report/{member}``: a survivor of world ``g`` and its progress;
 * ``gen/{g}/world``: the decision: world ``g``'s members in rank order, or
   why there is none;
+* ``generation``: a counter, the newest world formed (joiners read it);
+* ``joins`` and ``join/{n}``: the joiners, numbered as they register;
+  ``admitted``: how many of them a world took in;
+* ``gen/{g}/planned``: the commit (by count) at which world ``g`` ends to
+  admit joiners, written by its rank 0;
 * ``pg/{g}/...``: world ``g``'s process groups (gloo's own keys).
+
+A joiner (``ASYNCDIST_ELASTIC_JOIN=1``: a replacement ``spawn`` starts, or a
+process started by hand with the job's coordinator) registers and waits.
+Rank 0 sees it at a commit and names the next commit as the world's last;
+every rank reads that at its next commit (a step, whose collectives need
+rank 0, lies between: the write is visible by then), ends the world there,
+and the re-forming takes the joiners in after the survivors.
 
 The rule (``decide``): the survivors that reported go on when they are a
 strict majority of world ``g``'s members not known to be gone (so two sides
@@ -48,6 +60,7 @@ logger = logging.getLogger("asyncdist")
 
 ROOT = "asyncdist/elastic"  # a PrefixStore puts "/" after it
 COORDINATOR_ENV = "ASYNCDIST_COORDINATOR"
+JOIN_ENV = "ASYNCDIST_ELASTIC_JOIN"  # "1": this process joins a running session
 HEARTBEAT = 0.25  # seconds between a member's beats (and its look at the reform key)
 POLL = 0.02  # seconds between looks while re-forming
 # Past the session timeout, what a re-forming may take (reports, decision,
@@ -128,6 +141,7 @@ def decide(
     min_world_size: int,
     channels: Sequence[str],
     reason: str,
+    joiners: Sequence[str] = (),
 ) -> Decision | MembershipLost:
     """World ``generation``'s members, from world ``generation - 1``'s
     ``members`` (in rank order), the survivors' ``reports`` and who is known
@@ -135,6 +149,7 @@ def decide(
     view decides the same."""
     alive = sorted(reports.values(), key=lambda r: r.rank)
     base = [m for m in members if m not in gone or m in reports]
+    joiners = [j for j in joiners if j not in reports]
     missing = [f"rank {members.index(m)}" for m in members if m not in reports]
     lost = ", ".join(missing) or "none"
     if len(alive) * 2 <= len(base):
@@ -144,7 +159,7 @@ def decide(
             "(the others may be alive on the other side of a partition)",
             why="no_majority",
         )
-    if len(alive) < min_world_size:
+    if len(alive) + len(joiners) < min_world_size:
         return MembershipLost(
             f"{len(alive)} rank(s) are left of world {generation - 1} (gone: {lost}), fewer "
             f"than min_world_size={min_world_size}",
@@ -154,7 +169,7 @@ def decide(
     order = [source] + [r for r in alive if r is not source]
     return Decision(
         generation,
-        tuple(r.member for r in order),
+        (*(r.member for r in order), *joiners),
         source.commits,
         tuple(channels),
         reason,
@@ -208,10 +223,10 @@ class Coordinator:
             MembershipLost: a rank did not register within the timeout, or a
                 world was formed already (this process joined late).
         """
-        if self.has("gen/0/reform") or self.has("gen/1/world"):
+        if self.has("gen/0/reform") or int(self.store.add("generation", 0)) > 0:
             raise MembershipLost(
                 f"launch rank {rank} started after the elastic session's first world ended; "
-                "joining a running elastic session is not supported yet",
+                f"to join the running session, start it with {JOIN_ENV}=1",
                 why="evicted",
             )
         self.create(f"rank/{rank}", self.me)
@@ -226,6 +241,63 @@ class Coordinator:
                 why="timeout",
             ) from exc
         return tuple(self.read(key) for key in keys)
+
+    def join(self) -> tuple[Decision, int]:
+        """Register as a joiner; the world that takes this process in, and
+        this process's rank there, once one does.
+
+        Raises:
+            MembershipLost: no world took it in within the timeout.
+        """
+        number = int(self.store.add("joins", 1))
+        self.create(f"join/{number}", self.me)
+        deadline = time.monotonic() + self.timeout + REFORM_GRACE
+        while time.monotonic() < deadline:
+            self.store.add(f"hb/{self.me}", 1)  # until the watcher beats
+            generation = int(self.store.add("generation", 0))
+            key = f"gen/{generation}/world"
+            if generation > 0 and self.has(key):
+                decided = _decoded(generation, self.read(key))
+                if isinstance(decided, Decision) and self.me in decided.members:
+                    return decided, decided.members.index(self.me)
+            time.sleep(POLL * 5)
+        raise MembershipLost(
+            f"this process ({self.me}) registered to join the elastic session, but no world "
+            f"took it in within {self.timeout + REFORM_GRACE:g} s: the running ranks admit "
+            "joiners at their commits (state.commit()); check that they commit, and that "
+            "they are running",
+            why="timeout",
+        )
+
+    def joiners(self) -> list[str]:
+        """The joiners registered and not yet taken in, in order."""
+        admitted = int(self.store.add("admitted", 0))
+        joins = int(self.store.add("joins", 0))
+        found = []
+        for number in range(admitted + 1, joins + 1):
+            key = f"join/{number}"
+            if self.has(key):
+                member = self.read(key)
+                if not self.has(f"dead/{member}"):
+                    found.append(member)
+        return found
+
+    def plan(self, generation: int, commit: int) -> int:
+        """Rank 0: end world ``generation`` at commit ``commit`` to take in
+        joiners (unless a plan is there already); the commit planned."""
+        return int(self.create(f"gen/{generation}/planned", str(commit)))
+
+    def planned(self, generation: int) -> int | None:
+        """The commit at which world ``generation`` ends, if one is planned."""
+        key = f"gen/{generation}/planned"
+        return int(self.read(key)) if self.has(key) else None
+
+    def announce(self, decision: Decision, admitted: int) -> None:
+        """The new rank 0, before forming world ``decision.generation``: its
+        ``admitted`` joiners find it now (and join its forming)."""
+        if admitted:
+            self.store.add("admitted", admitted)
+        self.store.add("generation", decision.generation - int(self.store.add("generation", 0)))
 
     # -- re-forming -------------------------------------------------------------------
 
@@ -279,6 +351,7 @@ class Coordinator:
                     min_world_size=min_world_size,
                     channels=channels,
                     reason=ended,
+                    joiners=self.joiners(),
                 )
                 text = proposal.encode() if isinstance(proposal, Decision) else _failure(proposal)
                 decided = _decoded(generation + 1, self.create(key, text))
@@ -334,7 +407,7 @@ class Coordinator:
     def forget(self, generation: int, members: Sequence[str]) -> None:
         """Delete world ``generation``'s re-forming keys (the new rank 0 does,
         once the next world formed), so the store does not grow per re-form."""
-        keys = [f"gen/{generation}/reform", f"gen/{generation}/world"]
+        keys = [f"gen/{generation}/reform", f"gen/{generation}/world", f"gen/{generation}/planned"]
         keys += [f"gen/{generation}/report/{m}" for m in members]
         for key in keys:
             self.store.delete_key(key)
@@ -390,6 +463,8 @@ class Membership:
         self.me = member_id()
         self.generation = 0
         self.members: tuple[str, ...] = ()
+        self.joined: Decision | None = None  # the world a joiner was taken into
+        self._planned: int | None = None  # the commit that ends this world (joiners)
         self._coordinator: Coordinator | None = None
         self._watcher: Watcher | None = None
         self._address: tuple[str, int] | None = None
@@ -417,11 +492,18 @@ class Membership:
         env = detect(rank=wanted.rank, world_size=wanted.world_size)
         self._address, self._timeout = address, wanted.timeout
         self._loopback = is_loopback(address[0])
+        joining = os.environ.get(JOIN_ENV) == "1"
         try:
             self._coordinator = Coordinator(
                 connect(address, wanted.timeout), self.me, wanted.timeout
             )
-            self.members = self.coordinator.first_world(env.rank, env.world_size)
+            if joining:
+                decision, rank = self.coordinator.join()
+                self.members, self.generation = decision.members, decision.generation
+                self.joined = decision
+            else:
+                self.members = self.coordinator.first_world(env.rank, env.world_size)
+                rank = env.rank
         except MembershipLost:
             raise
         except (RuntimeError, dist.DistError) as exc:
@@ -429,9 +511,9 @@ class Membership:
                 f"rank {env.rank}: the elastic coordinator at {address[0]}:{address[1]} "
                 f"did not answer, or not every rank registered with it ({exc})"
             ) from exc
-        world = self.form(0, env.rank, env.world_size)
         self._watcher = Watcher(address, self.me, wanted.timeout, on_end)
-        return world
+        self._watcher.generation = self.generation
+        return self.form(self.generation, rank, len(self.members))
 
     def form(self, generation: int, rank: int, world_size: int) -> Any:
         """World ``generation``'s default group (``_groups.World``).
@@ -484,12 +566,30 @@ class Membership:
             ) from exc
         old, self.members = self.members, decision.members
         self.generation = decision.generation
+        self._planned = None
         if self._watcher is not None:
             self._watcher.generation = decision.generation
-        if decision.members[0] == self.me:  # the new rank 0 tidies up
+        if decision.members[0] == self.me:  # the new rank 0 tells joiners, and tidies up
+            admitted = len([m for m in decision.members if m not in old])
+            self.coordinator.announce(decision, admitted)
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self.coordinator.forget(decision.generation - 1, old)
         return decision
+
+    def at_commit(self, rank: int, commits: int) -> bool:
+        """At the ``commits``-th commit: whether this world ends here to take
+        in joiners (the same answer on every rank, see the module docstring).
+        Rank 0 plans the next commit as the end when a joiner waits."""
+        try:
+            coordinator = self.coordinator
+            if self._planned is None:
+                self._planned = coordinator.planned(self.generation)
+            if self._planned is None and rank == 0 and coordinator.joiners():
+                self._planned = coordinator.plan(self.generation, commits + 1)
+        except (RuntimeError, dist.DistError) as exc:
+            logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)
+            return False
+        return self._planned == commits
 
     def _where(self) -> str:
         host, port = self._address or ("?", 0)

@@ -32,7 +32,7 @@ from ._elastic import ElasticState, World, Worlds
 from ._env import (
     timeout_seconds,
 )
-from ._grad import GradientSync, Options, detach, regenerate
+from ._grad import GradientSync, Options, detach, module_of, regenerate
 from ._lane import Lane
 from ._membership import Membership as _Membership
 from ._op import Op
@@ -63,6 +63,8 @@ class State(enum.Enum):
 
 
 GRADIENTS = "gradients"  # the channel gradient_sync uses by default
+# what an elastic session allows before its loop over worlds: setting up
+_BEFORE_THE_LOOP = frozenset({"channel", "gradient_sync", "elastic", "elastic_state", "trace"})
 
 
 class DistSession(Collectives):
@@ -140,6 +142,7 @@ class DistSession(Collectives):
             raise ValueError(f"an elastic session runs on gloo, not {backend!r}")
         self._min_world_size = min_world_size
         self._membership: _Membership | None = _Membership(min_world_size) if elastic else None
+        self._looping = False  # elastic: the loop over worlds has begun
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:
             check_channel_name(name)
@@ -274,8 +277,11 @@ class DistSession(Collectives):
         if self._trace_path is not None:
             comm.tracer = Tracer(comm.rank)
         self._state = State.OPEN
+        joined = None if self._membership is None else self._membership.joined
         try:
             comm.form_side_groups()
+            if joined is not None:  # a joiner: the channels its world has, in its order
+                self._channels.reform(joined.channels, comm.channel)
             for name in self._requested_channels:
                 self.channel(name)
         except (RuntimeError, OSError) as exc:
@@ -352,6 +358,13 @@ class DistSession(Collectives):
             self._state = State.CLOSED
 
     def _usable(self, op: str) -> Lane:
+        if self._membership is not None and not self._looping and op not in _BEFORE_THE_LOOP:
+            raise AsyncDistError(
+                f"{op}: in an elastic session, collectives run inside the elastic loop "
+                "(`async for world in s.elastic(state): async with world: ...`), where every "
+                "rank of the world, a joiner too, issues them alike; the loop itself gives "
+                "every rank rank 0's state first"
+            )
         if self._state is not State.OPEN or self._lane is None:
             where = f" on rank {self.rank}" if self._state is State.CLOSED else ""
             raise SessionClosed(
@@ -538,8 +551,14 @@ class DistSession(Collectives):
             AsyncDistError: the session is not elastic.
             TypeError: an item is neither.
         """
-        self._elastic_membership("elastic_state")
-        return ElasticState(items, self._busy_sync)
+        membership = self._elastic_membership("elastic_state")
+
+        def ends_at(commits: int) -> str | None:
+            if membership.at_commit(self.rank, commits):
+                return "a rank joins"
+            return None
+
+        return ElasticState(items, self._busy_sync, ends_at)
 
     def elastic(self, state: ElasticState) -> Worlds:
         """The worlds of an elastic session: ``async for world in
@@ -634,10 +653,26 @@ class DistSession(Collectives):
             state.restore(commits, snapshot)
         return int(commits)
 
+    def _check_state(self, state: ElasticState) -> None:
+        """Refuse a gradient sync whose module the state does not restore: its
+        parameters would differ between ranks after a re-form, silently."""
+        for sync in self._syncs:
+            if not state.holds(module_of(sync)):
+                raise AsyncDistError(
+                    f"{sync!r} averages a module the elastic state does not hold: after a "
+                    "re-form its parameters would differ between ranks. Pass the model to "
+                    "s.elastic_state(model=...)"
+                )
+
     def _first_world(self, membership: _Membership, state: ElasticState) -> World:
-        if self._busy_sync() is None and state.commits == 0 and self.rank == 0:
-            state.commit()  # the state as the loop found it
-        return self._world(membership, self._share_state(state), "")
+        self._looping = True
+        self._check_state(state)
+        if state.commits == 0 and self.rank == 0 and membership.joined is None:
+            state.take()  # the state as the loop found it
+        restored = self._share_state(state)
+        joined = membership.joined
+        reason = "" if joined is None else f"joined: {joined.reason}"
+        return self._world(membership, restored, reason)
 
     def _next_world(self, membership: _Membership, state: ElasticState, ended: World) -> World:
         """Re-form after ``ended``'s block failed: agree, form, restore.
@@ -679,6 +714,7 @@ class DistSession(Collectives):
         lane.form_side_groups()
         self._channels.reform(decision.channels, lane.channel)
         regenerate(self._syncs)
+        self._check_state(state)
         restored = self._share_state(state)
         return self._world(membership, restored, decision.reason)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._debug import debug_from_env
-from ._membership import COORDINATOR_ENV, dead_key
+from ._membership import COORDINATOR_ENV, JOIN_ENV, dead_key
 from ._store import host_loopback_store
 from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken, mismatch_hint
 
@@ -80,6 +80,8 @@ def _child(
     )
     if session_options.get("elastic"):
         os.environ[COORDINATOR_ENV] = f"127.0.0.1:{port}"
+    if session_options.pop("joining", False):
+        os.environ[JOIN_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import anyio
     import torch
@@ -196,6 +198,7 @@ def spawn(
     join_timeout: float | None = None,
     elastic: bool = False,
     min_world_size: int = 1,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(session, *args)`` on ``world_size`` local ranks and return their results.
 
@@ -225,6 +228,9 @@ def spawn(
             and this process is their coordinator: a rank's death is told to
             the others (who re-form without it) instead of ending the run.
         min_world_size: (elastic) the fewest ranks a world may have.
+        max_restarts: (elastic) how many dead ranks, in all, are replaced by a
+            fresh process that joins the running session at its next commit
+            (the replacement's result takes the dead rank's slot).
 
     Returns:
         The ranks' return values, indexed by launch rank. With ``elastic``,
@@ -260,38 +266,64 @@ def spawn(
         "debug": debug,
         "channels": tuple(channels),
     }
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+    if max_restarts and not elastic:
+        raise ValueError("max_restarts replaces dead ranks of an elastic run: pass elastic=True")
     if elastic:
         options |= {"elastic": True, "min_world_size": min_world_size}
     store = host_loopback_store(world_size, timeout or 300.0)
+    port = store.port
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: dict[int, multiprocessing.connection.Connection] = {}
+    dead: list[multiprocessing.process.BaseProcess] = []
+
+    def start(rank: int, joining: bool = False) -> None:
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_child,
+            args=(
+                fn,
+                tuple(args),
+                rank,
+                world_size,
+                port,
+                options | {"joining": True} if joining else options,
+                async_backend,
+                sender,
+            ),
+            name=f"asyncdist-rank{rank}",
+            daemon=True,
+        )
+        proc.start()
+        sender.close()
+        if rank < len(procs):  # a replacement: the dead one was reaped already
+            dead.append(procs[rank])
+            procs[rank] = proc
+            conns[rank].close()
+        else:
+            procs.append(proc)
+        conns[rank] = receiver
+
+    restarts = [max_restarts]
+
+    def replace(rank: int) -> bool:
+        if restarts[0] <= 0:
+            return False
+        restarts[0] -= 1
+        start(rank, joining=True)
+        return True
+
     try:
         for rank in range(world_size):
-            receiver, sender = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child,
-                args=(
-                    fn,
-                    tuple(args),
-                    rank,
-                    world_size,
-                    store.port,
-                    options,
-                    async_backend,
-                    sender,
-                ),
-                name=f"asyncdist-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            sender.close()
-            procs.append(proc)
-            conns[rank] = receiver
+            start(rank)
         debugging = debug or debug_from_env()
-        return _collect(procs, conns, join_timeout, debugging, store if elastic else None)
+        return _collect(procs, conns, join_timeout, debugging, store if elastic else None, replace)
     finally:
         _kill_and_reap(procs)
+        for proc in dead:
+            proc.close()
         for conn in conns.values():
             conn.close()
         del store
@@ -368,6 +400,7 @@ def _collect(
     join_timeout: float | None,
     debug: bool = False,
     coordinator: Any = None,
+    replace: Callable[[int], bool] = lambda rank: False,
 ) -> list[Any]:
     """Gather every rank's message; on failure, the root cause.
 
@@ -380,7 +413,9 @@ def _collect(
 
     ``coordinator``: the store of an elastic run. A rank that dies there is
     written down as dead (so the others re-form without waiting for it)
-    and its slot of the results holds its error; the run goes on.
+    and its slot of the results holds its error; the run goes on, and
+    ``replace(rank)`` may start a joiner in its place (``procs`` and
+    ``conns`` then hold the new process).
     """
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
@@ -421,6 +456,8 @@ def _collect(
                     member = f"{socket.gethostname()}:{procs[rank].pid}"
                     coordinator.set(dead_key(member), f"exit {procs[rank].exitcode}")
                     results[rank] = error
+                    if replace(rank):
+                        pending[rank] = conns[rank]
                     continue
             elif message[0] == "ok":
                 results[rank] = message[1]

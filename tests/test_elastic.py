@@ -394,3 +394,109 @@ async def _late_peer(s: DistSession) -> float:
             async with world:
                 pass
     return meter.max_stall
+
+
+# -- a replacement joins ----------------------------------------------------------------
+
+
+async def _train_and_regrow(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
+    """Like ``_train``; the launcher replaces the victim, whose replacement
+    joins at a commit. The survivors train on (past ``STEPS``) until it has."""
+    launch_rank = s.rank
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    worlds: list[tuple[int, int, int, int, int]] = []
+    starts: list[list[torch.Tensor]] = []
+    async for world in s.elastic(state):
+        worlds.append((world.generation, world.rank, world.world_size, world.restored, state.step))
+        starts.append(_params(model))  # before the world's first step
+        async with world:
+            while state.step < STEPS or world.world_size < 3:
+                if launch_rank == victim and world.generation == 0 and state.step == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _step(model, opt, state.step, world.rank)
+                await sync
+                opt.step()
+                state.step += 1
+                if state.step % EVERY == 0:
+                    state.commit()
+                await anyio.sleep(0.02)  # the replacement takes seconds to start
+    return {"worlds": worlds, "starts": starts, "params": _params(model), "step": state.step}
+
+
+def _replayed_worlds(phases: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """Plain runs, one per (world size, first step, last step), each from
+    the state the one before ended with."""
+    state = None
+    for world_size, first, last in phases:
+        state = spawn(_reference, world_size, args=(state, first, last), timeout=TIMEOUT)[0]
+    assert state is not None
+    return list(state["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_backend", ["asyncio", "trio"])
+def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(async_backend: str) -> None:
+    results = spawn(
+        _train_and_regrow,
+        3,
+        args=(1, 4),
+        elastic=True,
+        min_world_size=2,
+        max_restarts=1,
+        timeout=TIMEOUT,
+        async_backend=async_backend,
+        join_timeout=90,
+    )
+    first, joiner, second = results
+    # the survivors: world 0 (3 ranks), world 1 (2, from the commit at step 3),
+    # world 2 (3 again, from the commit at which the joiner was taken in)
+    assert [w[:3] for w in first["worlds"]] == [(0, 0, 3), (1, 0, 2), (2, 0, 3)]
+    assert [w[:3] for w in second["worlds"]] == [(0, 2, 3), (1, 1, 2), (2, 1, 3)]
+    regrown = first["worlds"][2][4]
+    assert regrown % EVERY == 0
+    assert first["worlds"][1][4] == 3
+    # the joiner: only world 2, last in rank order, from the same commit
+    assert joiner["worlds"] == [(2, 2, 3, first["worlds"][2][3], regrown)]
+    # bitwise equal to the others before its first step, and at the end
+    assert _bitwise(joiner["starts"][0], first["starts"][2])
+    assert _bitwise(joiner["params"], first["params"])
+    assert _bitwise(second["params"], first["params"])
+    end = first["step"]
+    assert joiner["step"] == second["step"] == end
+    assert _bitwise(
+        first["params"], _replayed_worlds([(3, 0, 3), (2, 3, regrown), (3, regrown, end)])
+    )
+
+
+async def _collective_before_the_loop(s: DistSession) -> str:
+    try:
+        await s.barrier()
+    except AsyncDistError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_collectives_before_the_elastic_loop_are_refused() -> None:
+    said = spawn(_collective_before_the_loop, 2, elastic=True, timeout=TIMEOUT)
+    assert all("inside the elastic loop" in s for s in said)
+
+
+async def _sync_of_a_module_not_in_the_state(s: DistSession) -> str:
+    model = _model()
+    state = s.elastic_state(step=0)
+    s.gradient_sync(model)
+    try:
+        async for _world in s.elastic(state):
+            pass
+    except AsyncDistError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_gradient_sync_over_a_module_the_state_lacks_is_refused() -> None:
+    said = spawn(_sync_of_a_module_not_in_the_state, 2, elastic=True, timeout=TIMEOUT)
+    assert all("elastic_state(model=...)" in s for s in said)
