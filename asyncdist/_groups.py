@@ -57,6 +57,14 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+# Imported now, before any default group exists: its functions take
+# ``group=group.WORLD`` as a default *value*, evaluated at import. torch
+# imports it lazily (torch._dynamo does, at a first ``optimizer.zero_grad()``
+# or ``step()``), and imported while a session's group lives, it would hold
+# that group, with its gloo threads, for the life of the process (measured:
+# an elastic world that ended kept its default group this way).
+import torch.distributed.nn.functional
 from torch.distributed import distributed_c10d
 
 from ._env import (

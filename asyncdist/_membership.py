@@ -404,13 +404,31 @@ class Coordinator:
         """This member is gone for good (its session ended)."""
         self.create(f"dead/{self.me}", how)
 
-    def forget(self, generation: int, members: Sequence[str]) -> None:
-        """Delete world ``generation``'s re-forming keys (the new rank 0 does,
-        once the next world formed), so the store does not grow per re-form."""
-        keys = [f"gen/{generation}/reform", f"gen/{generation}/world", f"gen/{generation}/planned"]
-        keys += [f"gen/{generation}/report/{m}" for m in members]
-        for key in keys:
-            self.store.delete_key(key)
+    def forget(self, generation: int, keep: Sequence[str]) -> None:
+        """Delete world ``generation``'s keys (its re-forming records and its
+        groups' gloo keys) and the heartbeat and exit keys of its members not
+        in ``keep``, so the store does not grow with re-forms.
+
+        The new rank 0 calls it for the world *before* the last one, with the
+        members of the last world and the new: nobody reads those keys any
+        more (a slow member may still be reading the last world's, and a key
+        deleted under a reader's ``get`` reads as empty).
+        """
+        if generation < 0:
+            return
+        record = f"gen/{generation}/world"
+        if generation == 0:
+            members = [self.read(k) for k in self.store.list_keys() if k.startswith("rank/")]
+        elif self.has(record):
+            decided = _decoded(generation, self.read(record))
+            members = list(decided.members) if isinstance(decided, Decision) else []
+        else:
+            members = []
+        names = {f"{kind}/{m}" for m in members if m not in keep for kind in ("hb", "dead")}
+        prefixes = (f"gen/{generation}/", f"pg/{generation}/")
+        for key in self.store.list_keys():
+            if key.startswith(prefixes) or key in names:
+                self.store.delete_key(key)
 
 
 class Watcher:
@@ -573,7 +591,7 @@ class Membership:
             admitted = len([m for m in decision.members if m not in old])
             self.coordinator.announce(decision, admitted)
             with contextlib.suppress(RuntimeError, dist.DistError):
-                self.coordinator.forget(decision.generation - 1, old)
+                self.coordinator.forget(decision.generation - 2, [*old, *decision.members])
         return decision
 
     def at_commit(self, rank: int, commits: int) -> bool:
