@@ -25,6 +25,7 @@ BENCHMARKS = (
     "overlap",
     "bandwidth",
     "ddp",
+    "elastic",
 )
 
 

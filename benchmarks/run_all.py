@@ -30,6 +30,7 @@ import bandwidth  # noqa: E402
 import concurrency  # noqa: E402
 import ddp  # noqa: E402
 import debug_cost  # noqa: E402
+import elastic  # noqa: E402
 import fusion  # noqa: E402
 import latency  # noqa: E402
 import loop_stall  # noqa: E402
@@ -79,6 +80,7 @@ SUITE = {
         ["--reps", "12"],
         ["--reps", "4", "--smoke"],
     ),
+    "elastic": (elastic.main, ["--rounds", "5"], ["--rounds", "1", "--smoke"]),
 }
 
 BENCH_EXTRA = "pip install 'asyncdist[bench]'"

@@ -335,6 +335,11 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
     rank = {"configs": [dict(one, config=c) for c in benchmarks.ddp.CONFIGS]}
     columns, rows, _ = benchmarks.ddp.summarize([rank, rank], {}, smoke=smoke)
     tables["ddp"] = common.table(shaped.title("ddp", "500mbit"), columns, rows, smoke=smoke)
+    death = {"next_step_s": 5.4812, "lost": 9.0, "step_s": 0.05123}
+    title, columns, rows, _ = benchmarks.elastic.summarize(
+        {"elastic": [death], "torchrun": [death]}, 10, smoke
+    )
+    tables["elastic"] = common.table(title, columns, rows, smoke=smoke)
     assert set(tables) == set(cli.BENCHMARKS)
     return tables
 
@@ -364,16 +369,17 @@ def test_quick_run_does_not_judge_the_goals(benchmarks: ModuleType) -> None:
     """``--quick`` (a smoke run) shows the goals unjudged, saying why; a full
     run still reports a miss."""
     judged = _synthetic_tables(benchmarks, smoke=False)
-    for name in ("latency", "fusion", "overlap", "bandwidth", "ddp", "scaling"):
+    for name in ("latency", "fusion", "overlap", "bandwidth", "ddp", "scaling", "elastic"):
         assert "MISSED" in _render(judged[name], 80), name
     for name, table in _synthetic_tables(benchmarks, smoke=True).items():
         text = _render(table, 80)
         assert "MISSED" not in text, f"{name}:\n{text}"
-        if name in ("latency", "fusion", "overlap", "bandwidth", "ddp", "scaling"):
+        if name in ("latency", "fusion", "overlap", "bandwidth", "ddp", "scaling", "elastic"):
             assert "smoke run (--quick)" in text, f"{name}:\n{text}"
     # every benchmark with goals is told so under --quick, and only there
     for name, (_, full, quick) in benchmarks.SUITE.items():
         goals = ("latency", "fusion", "concurrency", "overlap", "bandwidth", "ddp", "scaling")
+        goals += ("elastic",)
         if name in goals:
             assert "--smoke" in quick, name
         assert "--smoke" not in full, name
