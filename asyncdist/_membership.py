@@ -468,8 +468,10 @@ class Watcher:
                 logger.debug("elastic watcher: %s", exc)
 
     def close(self) -> None:
+        """Stop beating; a beat blocked on a silent coordinator is left to
+        end with the process (a daemon thread), after a short wait."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(2 * HEARTBEAT + 1.0)
 
 
 class Membership:
@@ -565,23 +567,46 @@ class Membership:
         Raises:
             MembershipLost: no next world for this process.
         """
-        try:
-            decision = self.coordinator.reform(
-                self.generation,
-                self.members,
-                Report(self.me, rank, commits),
-                min_world_size=self.min_world_size,
-                channels=channels,
-                reason=reason,
+        outcome: list[Decision | BaseException] = []
+
+        def agree() -> None:
+            try:
+                outcome.append(
+                    self.coordinator.reform(
+                        self.generation,
+                        self.members,
+                        Report(self.me, rank, commits),
+                        min_world_size=self.min_world_size,
+                        channels=channels,
+                        reason=reason,
+                    )
+                )
+            except BaseException as exc:  # noqa: BLE001 - it is raised on the caller's thread
+                outcome.append(exc)
+
+        # torch's store client has no receive timeout: a coordinator that went
+        # silent (cut off, stopped) would hold a read forever. The agreement
+        # runs on a thread of its own, and this one waits for it with a bound.
+        limit = self._timeout + 3 * REFORM_GRACE
+        thread = threading.Thread(target=agree, name=f"asyncdist-reform-{self.me}", daemon=True)
+        thread.start()
+        thread.join(limit)
+        if not outcome:
+            raise MembershipLost(
+                f"the elastic coordinator at {self._where()} did not answer within {limit:g} s "
+                f"while world {self.generation + 1} was being agreed on: it is stopped, or "
+                "cut off from this process",
+                why="coordinator",
             )
-        except (RuntimeError, dist.DistError) as exc:
-            if isinstance(exc, MembershipLost):
-                raise
+        decision = outcome[0]
+        if isinstance(decision, MembershipLost):
+            raise decision
+        if isinstance(decision, BaseException):
             raise MembershipLost(
                 f"the elastic coordinator at {self._where()} stopped answering while world "
-                f"{self.generation + 1} was being agreed on ({exc})",
+                f"{self.generation + 1} was being agreed on ({decision})",
                 why="coordinator",
-            ) from exc
+            ) from decision
         old, self.members = self.members, decision.members
         self.generation = decision.generation
         self._planned = None

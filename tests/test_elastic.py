@@ -566,3 +566,112 @@ def test_fifty_re_forms_leave_threads_memory_and_store_keys_flat() -> None:
         assert rss_50 < rss_10 * 1.05, (rss_10, rss_50)
         assert result["took"][-1] < TIMEOUT + REFORM_GRACE
     assert _bitwise(results[0]["params"], results[1]["params"])
+
+
+# -- a silent rank, and a slow one ----------------------------------------------------------
+
+QUICK = 3.0  # a short session timeout: a silent peer is found at this bound
+
+
+def _mark(folder: str, name: str, text: str = "") -> None:
+    with open(os.path.join(folder, name), "w") as file:
+        file.write(text)
+
+
+async def _stopped_and_resumed(s: DistSession, folder: str) -> dict[str, Any]:
+    launch_rank = s.rank
+    _mark(folder, f"pid.{launch_rank}", str(os.getpid()))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    worlds = []
+    try:
+        async for world in s.elastic(state):
+            worlds.append((world.generation, world.world_size))
+            if world.generation == 1 and world.rank == 0:
+                _mark(folder, "world1")
+            async with world:
+                while state.step < 40:
+                    _step(model, opt, state.step, world.rank)
+                    await sync
+                    opt.step()
+                    state.step += 1
+                    state.commit()
+                    if state.step == 3 and world.generation == 0:
+                        _mark(folder, f"step3.{launch_rank}")
+                    await anyio.sleep(0.05)
+    except MembershipLost as exc:
+        return {"worlds": worlds, "lost": exc.why}
+    return {"worlds": worlds, "params": _params(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_is_left_behind_and_told_so_when_it_resumes(tmp_path: Any) -> None:
+    """SIGSTOP: the others' collectives time out, they re-form without it
+    (its heartbeat stood still); SIGCONT once they did: it is evicted."""
+    import concurrent.futures
+
+    folder = str(tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            spawn,
+            _stopped_and_resumed,
+            3,
+            args=(folder,),
+            elastic=True,
+            min_world_size=2,
+            timeout=QUICK,
+            join_timeout=80,
+        )
+        victim = None
+        try:
+            deadline = time.monotonic() + 40
+            while not (tmp_path / "step3.2").exists():
+                assert time.monotonic() < deadline, "rank 2 never reached step 3"
+                time.sleep(0.05)
+            victim = int((tmp_path / "pid.2").read_text())
+            os.kill(victim, signal.SIGSTOP)
+            stopped = time.monotonic()
+            while not (tmp_path / "world1").exists():
+                assert time.monotonic() - stopped < QUICK + 2 * REFORM_GRACE + 5, "no re-form"
+                time.sleep(0.05)
+            reformed = time.monotonic() - stopped
+        finally:
+            if victim is not None:
+                os.kill(victim, signal.SIGCONT)
+        results = running.result()
+    first, second, stopped_rank = results
+    assert first["worlds"] == [(0, 3), (1, 2)]
+    assert second["worlds"] == [(0, 3), (1, 2)]
+    assert _bitwise(first["params"], second["params"])
+    assert stopped_rank == {"worlds": [(0, 3)], "lost": "evicted"}
+    assert reformed < QUICK + REFORM_GRACE + 3
+
+
+async def _one_slow_step(s: DistSession) -> list[int]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    generations = []
+    async for world in s.elastic(state):
+        generations.append(world.generation)
+        async with world:
+            while state.step < 8:
+                if s.rank == 1 and state.step == 3:
+                    await anyio.sleep(QUICK / 2)  # slow, within the timeout
+                _step(model, opt, state.step, world.rank)
+                await sync
+                opt.step()
+                state.step += 1
+                state.commit()
+    return generations
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_slow_rank_within_the_timeout_is_not_expelled() -> None:
+    results = spawn(_one_slow_step, 3, elastic=True, timeout=QUICK, join_timeout=50)
+    assert results == [[0], [0], [0]]
