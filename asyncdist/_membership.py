@@ -66,6 +66,7 @@ POLL = 0.02  # seconds between looks while re-forming
 # Past the session timeout, what a re-forming may take (reports, decision,
 # forming the groups); the proposer waits this long for a missing report.
 REFORM_GRACE = 5.0
+LEAVE_TIMEOUT = 2.0  # seconds a leaving member waits to tell the coordinator
 
 
 def member_id() -> str:
@@ -509,7 +510,13 @@ class Membership:
                 f"{COORDINATOR_ENV}=host:port; launch with asyncdist.spawn(fn, n, elastic=True) "
                 "(or `asyncdist run --elastic`), which hosts one"
             )
-        env = detect(rank=wanted.rank, world_size=wanted.world_size)
+        # the coordinator stands in for the master: no MASTER_PORT needed
+        env = detect(
+            rank=wanted.rank,
+            world_size=wanted.world_size,
+            master_addr=address[0],
+            master_port=address[1],
+        )
         self._address, self._timeout = address, wanted.timeout
         self._loopback = is_loopback(address[0])
         joining = os.environ.get(JOIN_ENV) == "1"
@@ -557,9 +564,15 @@ class Membership:
             ) from exc
 
     def end(self, reason: str) -> None:
-        """Declare the current world over (every member's watcher hears it)."""
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            self.coordinator.end(self.generation, reason)
+        """Declare the current world over (every member's watcher hears it),
+        without waiting: the agreement writes it too, with a bound."""
+        coordinator, generation = self.coordinator, self.generation
+
+        def tell() -> None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                coordinator.end(generation, reason)
+
+        threading.Thread(target=tell, name=f"asyncdist-end-{self.me}", daemon=True).start()
 
     def reform(self, reason: str, rank: int, commits: int, channels: Sequence[str]) -> Decision:
         """Agree on the next world; it becomes the current one.
@@ -643,7 +656,14 @@ class Membership:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
-        if self._coordinator is not None:
-            with contextlib.suppress(RuntimeError, dist.DistError):
-                self._coordinator.leave(how)
-            self._coordinator = None
+        coordinator, self._coordinator = self._coordinator, None
+        if coordinator is not None:
+
+            def tell() -> None:
+                with contextlib.suppress(RuntimeError, dist.DistError):
+                    coordinator.leave(how)
+
+            # bounded: a coordinator cut off from this process would hold it forever
+            telling = threading.Thread(target=tell, name=f"asyncdist-leave-{self.me}", daemon=True)
+            telling.start()
+            telling.join(LEAVE_TIMEOUT)

@@ -675,3 +675,71 @@ async def _one_slow_step(s: DistSession) -> list[int]:
 def test_a_slow_rank_within_the_timeout_is_not_expelled() -> None:
     results = spawn(_one_slow_step, 3, elastic=True, timeout=QUICK, join_timeout=50)
     assert results == [[0], [0], [0]]
+
+
+# -- a partition: the majority goes on, the side cut off ends ------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
+    tmp_path: Any,
+) -> None:
+    """Ranks 0 and 1 and the coordinator on one namespace host, rank 2 on the
+    other; then every packet between the hosts is dropped. The two go on as
+    a world of 2; rank 2, cut off from its peers and the coordinator alike,
+    ends with MembershipLost("coordinator"): never two worlds at once."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from netns import TwoHosts, missing, missing_firewall
+
+    why = missing() or missing_firewall()
+    if why:
+        pytest.skip(why)
+    worker = str(Path(__file__).resolve().parent / "elastic_worker.py")
+    procs: list[subprocess.Popen[bytes]] = []
+    with TwoHosts() as hosts:
+        try:
+            port = hosts.free_port(0)
+            serve = (
+                "import datetime, time, torch.distributed as dist; "
+                f"s = dist.TCPStore({hosts.addr[0]!r}, {port}, is_master=True, "
+                "wait_for_workers=False, timeout=datetime.timedelta(seconds=60)); time.sleep(300)"
+            )
+            procs.append(subprocess.Popen(hosts.command(0, [sys.executable, "-c", serve])))
+            time.sleep(1.0)  # the coordinator listens
+            for rank, host in enumerate((0, 0, 1)):
+                env = hosts.env(
+                    host,
+                    RANK=str(rank),
+                    WORLD_SIZE="3",
+                    ASYNCDIST_COORDINATOR=f"{hosts.addr[0]}:{port}",
+                )
+                command = hosts.command(host, [sys.executable, worker, str(tmp_path)])
+                procs.append(subprocess.Popen(command, env=env))
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"ready.{r}").exists() for r in range(3)):
+                assert time.monotonic() < deadline, "the ranks never got ready"
+                time.sleep(0.05)
+            hosts.drop()
+            cut = time.time()
+            bound = 3.0 + 3 * REFORM_GRACE + 10
+            while not all((tmp_path / f"done.{r}.json").exists() for r in range(3)):
+                assert time.time() - cut < bound, "a rank neither went on nor ended"
+                time.sleep(0.1)
+            done = [json.loads((tmp_path / f"done.{r}.json").read_text()) for r in range(3)]
+        finally:
+            hosts.heal()
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    majority, other, cut_off = done
+    assert majority["worlds"] == other["worlds"] == [[0, 3], [1, 2]]
+    assert majority["params"] == other["params"]
+    assert cut_off["worlds"] == [[0, 3]]
+    assert cut_off["lost"] == "coordinator"
+    assert cut_off["t"] - cut < bound
