@@ -80,14 +80,30 @@ def dead_key(member: str) -> str:
 
 
 def coordinator_address() -> tuple[str, int] | None:
-    """``ASYNCDIST_COORDINATOR`` as (host, port), or None if unset."""
+    """Where the coordinator is: ``ASYNCDIST_COORDINATOR`` (host:port), else
+    torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``: the store at
+    ``MASTER_ADDR:MASTER_PORT`` lives in node 0's agent, which outlives its
+    workers); None if neither."""
     value = os.environ.get(COORDINATOR_ENV)
     if not value:
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        if agent and host and port.isdigit():
+            return host, int(port)
         return None
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{COORDINATOR_ENV}={value!r} is not host:port")
     return host, int(port)
+
+
+def joining() -> bool:
+    """Whether this process joins a running session: asked to
+    (``ASYNCDIST_ELASTIC_JOIN=1``), or restarted by torchrun (its agent
+    restarted this node's workers; the other nodes' went on)."""
+    if os.environ.get(JOIN_ENV) == "1":
+        return True
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def connect(address: tuple[str, int], timeout: float) -> dist.Store:
@@ -519,12 +535,12 @@ class Membership:
         )
         self._address, self._timeout = address, wanted.timeout
         self._loopback = is_loopback(address[0])
-        joining = os.environ.get(JOIN_ENV) == "1"
+        joins = joining()
         try:
             self._coordinator = Coordinator(
                 connect(address, wanted.timeout), self.me, wanted.timeout
             )
-            if joining:
+            if joins:
                 decision, rank = self.coordinator.join()
                 self.members, self.generation = decision.members, decision.generation
                 self.joined = decision

@@ -34,12 +34,14 @@ from ._env import (
 )
 from ._grad import GradientSync, Options, detach, module_of, regenerate
 from ._lane import Lane
+from ._membership import Decision
 from ._membership import Membership as _Membership
 from ._op import Op
 from ._progress import leaving_how, quiet_interrupt
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
+    CollectiveError,
     CollectiveTimeout,
     InitError,
     Leaving,
@@ -669,24 +671,62 @@ class DistSession(Collectives):
         self._check_state(state)
         if state.commits == 0 and self.rank == 0 and membership.joined is None:
             state.take()  # the state as the loop found it
-        restored = self._share_state(state)
+        try:
+            restored = self._share_state(state)
+        except (CollectiveError, SessionBroken) as exc:
+            if isinstance(exc, MembershipLost):
+                raise
+            failed = self._world(membership, 0, "")
+            failed.error = exc  # a member failed before the first step: re-form at once
+            return self._next_world(membership, state, failed)
         joined = membership.joined
         reason = "" if joined is None else f"joined: {joined.reason}"
         return self._world(membership, restored, reason)
 
     def _next_world(self, membership: _Membership, state: ElasticState, ended: World) -> World:
-        """Re-form after ``ended``'s block failed: agree, form, restore.
+        """Re-form after ``ended``'s block failed: agree, form, restore; again
+        if a member fails while the new world forms (each round is bounded,
+        and each leaves the one that failed out).
 
         Raises:
             MembershipLost: no next world for this rank (the session is
                 broken with it).
+            AsyncDistError: a gradient sync over a module the state lacks.
         """
-        error = ended.error
-        reason = (
-            error.reason
-            if isinstance(error, MembershipChanged)
-            else f"{type(error).__name__} on rank {ended.rank}: {error}"
-        )
+        self._check_state(state)
+        error: BaseException | None = ended.error
+        while True:
+            reason = (
+                error.reason
+                if isinstance(error, MembershipChanged)
+                else f"{type(error).__name__} on rank {self.rank}: {error}"
+            )
+            decision, world = self._agree(membership, state, reason)
+            lane = Lane.root(world, timeout=self._timeout, debug=self._debug)
+            old, self._lane = self._lane, lane
+            lane.tracer = None if old is None else old.tracer
+            try:
+                lane.form_side_groups()
+                self._channels.reform(decision.channels, lane.channel)
+                regenerate(self._syncs)
+                restored = self._share_state(state)
+            except MembershipLost:
+                raise
+            except (CollectiveError, SessionBroken) as exc:
+                error = exc  # a member failed while this world formed: once more
+                continue
+            except RuntimeError as exc:
+                if isinstance(exc, AsyncDistError):
+                    raise
+                error = exc
+                continue
+            return self._world(membership, restored, decision.reason)
+
+    def _agree(
+        self, membership: _Membership, state: ElasticState, reason: str
+    ) -> tuple[Decision, _groups.World]:
+        """Leave the current world and agree on, and form, the next one's
+        default group: its decision and the group."""
         old = self._lane
         assert old is not None
         membership.end(reason)
@@ -695,12 +735,13 @@ class DistSession(Collectives):
             child._teardown()
         names = self._channels.names()
         # the old world's groups go: gloo has no abort, but a dead peer's
-        # connections are closed, so its ops have failed already
+        # connections are closed, so its ops have failed already (a silent
+        # peer's end at the session timeout, which bounds this)
         old.close()
         try:
             decision = membership.reform(reason, old.rank, state.commits, names)
             rank = decision.members.index(membership.me)
-            world = membership.form(decision.generation, rank, len(decision.members))
+            return decision, membership.form(decision.generation, rank, len(decision.members))
         except (MembershipLost, InitError) as exc:
             lost = (
                 exc if isinstance(exc, MembershipLost) else MembershipLost(str(exc), why="timeout")
@@ -708,15 +749,6 @@ class DistSession(Collectives):
             old.health.record_fault(lost)
             old.health.mark_seen(lost)
             raise lost from (None if lost is exc else exc)
-        lane = Lane.root(world, timeout=self._timeout, debug=self._debug)
-        lane.tracer = old.tracer
-        self._lane = lane
-        lane.form_side_groups()
-        self._channels.reform(decision.channels, lane.channel)
-        regenerate(self._syncs)
-        self._check_state(state)
-        restored = self._share_state(state)
-        return self._world(membership, restored, decision.reason)
 
     # -- tracing ------------------------------------------------------------------------
 
