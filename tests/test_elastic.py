@@ -743,3 +743,69 @@ def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
     assert cut_off["worlds"] == [[0, 3]]
     assert cut_off["lost"] == "coordinator"
     assert cut_off["t"] - cut < bound
+
+
+# -- torchrun: the survivor node goes on, the restarted worker joins --------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_under_torchrun_the_other_node_goes_on_and_the_restarted_worker_joins(
+    tmp_path: Any,
+) -> None:
+    """Two namespace hosts, one worker each, static rendezvous: node 0's
+    agent hosts the store, the coordinator. Node 1's worker dies; node 0's
+    keeps its process and state, and node 1's agent restarts its worker,
+    which joins instead of forming a world."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "tools"))
+    from netns import TwoHosts, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    job = str(Path(__file__).resolve().parent / "elastic_torchrun_job.py")
+    with TwoHosts() as hosts:
+        port = hosts.free_port(0)
+        procs = []
+        for host in (0, 1):
+            argv = [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
+                *("--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={hosts.addr[0]}"),
+                *(f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5", job),
+            ]
+            env = hosts.env(host, ASYNCDIST_OUT=str(tmp_path), PYTHONPATH=str(root))
+            procs.append(
+                subprocess.Popen(
+                    hosts.command(host, argv),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        try:
+            logs = [p.communicate(timeout=150)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    survivor = json.loads((tmp_path / "done.0.0.json").read_text())
+    joiner = json.loads((tmp_path / "done.1.1.json").read_text())
+    assert not (tmp_path / "done.1.0.json").exists()
+    # node 0's worker: world 0, then (alone, or already with the joiner, as
+    # the restart and the dead worker's heartbeat race) from the commit at step 5
+    assert survivor["worlds"][0] == [0, 0, 2, 0]
+    assert survivor["worlds"][1][0::3] == [1, 5]
+    last = survivor["worlds"][-1]
+    assert last[1:3] == [0, 2]
+    assert joiner["worlds"] == [[last[0], 1, 2, last[3]]]
+    assert survivor["params"] == joiner["params"]
