@@ -54,12 +54,18 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: i
 # -- the elastic run -------------------------------------------------------------------
 
 
-async def _train(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
-    launch_rank = s.rank
+def _set_up(s: DistSession) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any]:
+    """The model, its Adam, the elastic state holding both and a step
+    counter, and the model's gradient sync."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     state = s.elastic_state(model=model, optimizer=opt, step=0)
-    sync = s.gradient_sync(model)
+    return model, opt, state, s.gradient_sync(model)
+
+
+async def _train(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
+    launch_rank = s.rank
+    model, opt, state, sync = _set_up(s)
     worlds: list[tuple[int, int, int, int, int]] = []
     caught_at = None
     reformed_in = None
@@ -92,10 +98,7 @@ async def _train(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
 
 def _train_sync(s: DistSession, victim: int, kill_at: int) -> dict[str, Any]:
     launch_rank = s.rank
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    state = s.elastic_state(model=model, optimizer=opt, step=0)
-    sync = s.gradient_sync(model)
+    model, opt, state, sync = _set_up(s)
     worlds = []
     for world in s.elastic(state):
         worlds.append((world.generation, world.rank, world.world_size, world.restored, state.step))
@@ -239,19 +242,37 @@ def test_below_min_world_size_the_survivor_is_told_within_the_bound() -> None:
 # -- misuse ----------------------------------------------------------------------------
 
 
-async def _forgets_the_block(s: DistSession) -> str:
-    state = s.elastic_state(step=0)
+async def _misuse(s: DistSession, case: str) -> str:
+    """What the elastic session says to one misuse (``case``), on each rank."""
+    model = _model()
     try:
-        async for _world in s.elastic(state):
-            state.step += 1
+        if case == "no block":
+            state = s.elastic_state(step=0)
+            async for _world in s.elastic(state):
+                state.step += 1  # the body outside `with world:`
+        elif case == "collective first":
+            await s.barrier()  # before the loop
+        elif case == "sync not in state":
+            state = s.elastic_state(step=0)
+            s.gradient_sync(model)
+            async for _world in s.elastic(state):
+                pass
     except AsyncDistError as exc:
         return str(exc)
     return "no error"
 
 
-def test_a_loop_body_outside_with_world_is_refused() -> None:
-    said = spawn(_forgets_the_block, 2, elastic=True, timeout=TIMEOUT)
-    assert all("must run inside `with world:`" in s for s in said)
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("no block", "must run inside `with world:`"),
+        ("collective first", "inside the elastic loop"),
+        ("sync not in state", "elastic_state(model=...)"),
+    ],
+)
+def test_misuse_is_refused_on_every_rank(case: str, said: str) -> None:
+    told = spawn(_misuse, 2, args=(case,), elastic=True, timeout=TIMEOUT)
+    assert all(said in t for t in told), told
 
 
 async def _commits_mid_step(s: DistSession) -> str:
@@ -331,48 +352,46 @@ def _reports(*ranks_commits: tuple[int, int]) -> dict[str, Report]:
     return {MEMBERS[r]: Report(MEMBERS[r], r, c) for r, c in ranks_commits}
 
 
-def test_the_survivor_with_the_latest_commit_becomes_rank_0() -> None:
+@pytest.mark.parametrize(
+    ("heard", "gone", "least", "joiners", "outcome"),
+    [
+        # the survivor with the latest commit becomes rank 0, then by old rank
+        ([(1, 4), (2, 5), (3, 5)], {"a"}, 1, [], ("c", "b", "d")),
+        # joiners come last
+        ([(1, 4), (2, 5), (3, 5)], {"a"}, 1, ["e"], ("c", "b", "d", "e")),
+        # two of four heard, nobody known dead: the others may be alive elsewhere
+        ([(0, 1), (1, 1)], set(), 1, [], "no_majority"),
+        # the same two, with the others known dead (their launcher saw them exit)
+        ([(0, 1), (1, 1)], {"c", "d"}, 1, [], ("a", "b")),
+        # three left, four needed; a joiner makes up for one
+        ([(0, 1), (1, 1), (2, 1)], {"d"}, 4, [], "too_few"),
+        ([(0, 1), (1, 1), (2, 1)], {"d"}, 4, ["e"], ("a", "b", "c", "e")),
+    ],
+)
+def test_the_membership_rule(
+    heard: list[tuple[int, int]],
+    gone: set[str],
+    least: int,
+    joiners: list[str],
+    outcome: tuple[str, ...] | str,
+) -> None:
     decided = decide(
         1,
         MEMBERS,
-        _reports((1, 4), (2, 5), (3, 5)),
-        {"a"},
-        min_world_size=1,
+        _reports(*heard),
+        gone,
+        min_world_size=least,
         channels=["gradients"],
-        reason="a died",
-    )
-    assert isinstance(decided, Decision)
-    assert decided.members == ("c", "b", "d")
-    assert decided.commits == 5
-
-
-def test_a_minority_never_goes_on() -> None:
-    # two of four heard, nobody known dead: the other two may be alive elsewhere
-    lost = decide(
-        1, MEMBERS, _reports((0, 1), (1, 1)), set(), min_world_size=1, channels=[], reason=""
-    )
-    assert isinstance(lost, MembershipLost)
-    assert lost.why == "no_majority"
-    # the same two, with the others known dead (their launcher saw them exit)
-    ok = decide(
-        1, MEMBERS, _reports((0, 1), (1, 1)), {"c", "d"}, min_world_size=1, channels=[], reason=""
-    )
-    assert isinstance(ok, Decision)
-    assert ok.members == ("a", "b")
-
-
-def test_fewer_than_min_world_size_is_refused() -> None:
-    lost = decide(
-        1,
-        MEMBERS,
-        _reports((0, 1), (1, 1), (2, 1)),
-        {"d"},
-        min_world_size=4,
-        channels=[],
         reason="",
+        joiners=joiners,
     )
-    assert isinstance(lost, MembershipLost)
-    assert lost.why == "too_few"
+    if isinstance(outcome, str):
+        assert isinstance(decided, MembershipLost)
+        assert decided.why == outcome
+    else:
+        assert isinstance(decided, Decision)
+        assert decided.members == outcome
+        assert decided.commits == max(c for _, c in heard)
 
 
 def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
@@ -400,10 +419,7 @@ async def _train_and_regrow(s: DistSession, victim: int, kill_at: int) -> dict[s
     """Like ``_train``; the launcher replaces the victim, whose replacement
     joins at a commit. The survivors train on (past ``STEPS``) until it has."""
     launch_rank = s.rank
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    state = s.elastic_state(model=model, optimizer=opt, step=0)
-    sync = s.gradient_sync(model)
+    model, opt, state, sync = _set_up(s)
     worlds: list[tuple[int, int, int, int, int]] = []
     starts: list[list[torch.Tensor]] = []
     async for world in s.elastic(state):
@@ -467,36 +483,6 @@ def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(async_backend:
     assert _bitwise(
         first["params"], _replayed_worlds([(3, 0, 3), (2, 3, regrown), (3, regrown, end)])
     )
-
-
-async def _collective_before_the_loop(s: DistSession) -> str:
-    try:
-        await s.barrier()
-    except AsyncDistError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_collectives_before_the_elastic_loop_are_refused() -> None:
-    said = spawn(_collective_before_the_loop, 2, elastic=True, timeout=TIMEOUT)
-    assert all("inside the elastic loop" in s for s in said)
-
-
-async def _sync_of_a_module_not_in_the_state(s: DistSession) -> str:
-    model = _model()
-    state = s.elastic_state(step=0)
-    s.gradient_sync(model)
-    try:
-        async for _world in s.elastic(state):
-            pass
-    except AsyncDistError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_a_gradient_sync_over_a_module_the_state_lacks_is_refused() -> None:
-    said = spawn(_sync_of_a_module_not_in_the_state, 2, elastic=True, timeout=TIMEOUT)
-    assert all("elastic_state(model=...)" in s for s in said)
 
 
 # -- many re-forms: nothing of a world outlives it ------------------------------------------
