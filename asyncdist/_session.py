@@ -41,7 +41,6 @@ from ._progress import leaving_how, quiet_interrupt
 from ._trace import TraceBlock, Tracer, rank_events, rank_path, write
 from .errors import (
     AsyncDistError,
-    CollectiveError,
     CollectiveTimeout,
     InitError,
     Leaving,
@@ -135,14 +134,16 @@ class DistSession(Collectives):
             raise TypeError(f"min_world_size must be an int, not {min_world_size!r}")
         if min_world_size < 1:
             raise ValueError(f"min_world_size must be at least 1, not {min_world_size}")
-        if elastic and (init_method is not None or device not in (None, "cpu")):
+        on_cpu = device is None or (
+            not isinstance(device, int) and torch.device(device).type == "cpu"
+        )
+        if elastic and (init_method is not None or not on_cpu):
             raise ValueError(
                 "an elastic session forms its groups on its coordinator, on CPU with gloo: "
                 "init_method= and a device other than the CPU are not supported with elastic=True"
             )
         if elastic and backend not in (None, "gloo"):
             raise ValueError(f"an elastic session runs on gloo, not {backend!r}")
-        self._min_world_size = min_world_size
         self._membership: _Membership | None = _Membership(min_world_size) if elastic else None
         self._looping = False  # elastic: the loop over worlds has begun
         self._requested_channels = tuple(channels)
@@ -673,8 +674,8 @@ class DistSession(Collectives):
             state.take()  # the state as the loop found it
         try:
             restored = self._share_state(state)
-        except (CollectiveError, SessionBroken) as exc:
-            if isinstance(exc, MembershipLost):
+        except AsyncDistError as exc:
+            if not self._ends_world(exc):
                 raise
             failed = self._world(membership, 0, "")
             failed.error = exc  # a member failed before the first step: re-form at once
@@ -710,13 +711,10 @@ class DistSession(Collectives):
                 self._channels.reform(decision.channels, lane.channel)
                 regenerate(self._syncs)
                 restored = self._share_state(state)
-            except MembershipLost:
-                raise
-            except (CollectiveError, SessionBroken) as exc:
-                error = exc  # a member failed while this world formed: once more
-                continue
             except RuntimeError as exc:
-                if isinstance(exc, AsyncDistError):
+                # a member failed while this world formed (a raw backend error
+                # from forming its side groups, or a translated one): once more
+                if isinstance(exc, AsyncDistError) and not self._ends_world(exc):
                     raise
                 error = exc
                 continue
