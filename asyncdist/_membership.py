@@ -1,8 +1,9 @@
 """Membership: who is in an elastic session's next world, agreed on a store
 that outlives every rank.
 
-The coordinator is a ``TCPStore`` hosted by a process that is not a rank
-(``spawn``'s parent today), named by ``ASYNCDIST_COORDINATOR=host:port``. It
+The coordinator is a ``TCPStore`` hosted by a process that is not a rank:
+``spawn``'s parent, torchrun's node-0 agent (static rendezvous), or one
+hosted by hand, named by ``ASYNCDIST_COORDINATOR=host:port``. It
 is linearizable, so one ``compare_set`` from ``""`` is a decision nobody can
 overwrite: there is no consensus among the ranks themselves, and a side cut
 off from the store decides nothing. Keys, under ``ROOT``:
@@ -23,7 +24,8 @@ off from the store decides nothing. Keys, under ``ROOT``:
 * ``pg/{g}/...``: world ``g``'s process groups (gloo's own keys).
 
 A joiner (``ASYNCDIST_ELASTIC_JOIN=1``: a replacement ``spawn`` starts, or a
-process started by hand with the job's coordinator) registers and waits.
+process started by hand with the job's coordinator; or a worker torchrun
+restarted) registers and waits.
 Rank 0 sees it at a commit and names the next commit as the world's last;
 every rank reads that at its next commit (a step, whose collectives need
 rank 0, lies between: the write is visible by then), ends the world there,
