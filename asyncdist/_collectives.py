@@ -22,7 +22,7 @@ from ._debug import describe
 from ._handle import Handle, combined
 from ._lane import Lane
 from ._mainrank import MainFirst
-from ._wire import Spec
+from ._wire import Route, Spec
 from .errors import SessionClosed
 
 T = TypeVar("T")
@@ -87,8 +87,17 @@ class Collectives:
     def _tensor(
         comm: Lane, tensor: Any, op: str, what: str = "tensor", *, read_only: bool = False
     ) -> torch.Tensor:
+        Collectives._routed(comm, tensor, op, what, read_only=read_only)
+        assert isinstance(tensor, torch.Tensor)  # checked
+        return tensor
+
+    @staticmethod
+    def _routed(
+        comm: Lane, tensor: Any, op: str, what: str = "tensor", *, read_only: bool = False
+    ) -> Route:
+        """``_tensor``'s checks; the route ``tensor`` travels on."""
         route = comm.route(tensor, collective=op, what=what)
-        return _ops.check_tensor(
+        _ops.check_tensor(
             tensor,
             collective=op,
             backend=route.backend,
@@ -96,6 +105,7 @@ class Collectives:
             what=what,
             read_only=read_only,
         )
+        return route
 
     @staticmethod
     def _tensors(
@@ -150,8 +160,8 @@ class Collectives:
         """
         name = "allreduce"
         comm = self._usable(name)
-        self._tensor(comm, tensor, name)
-        reduction = self._reduction(comm, op, tensor, name)
+        route = self._routed(comm, tensor, name)  # the hot path: the route is resolved once
+        reduction = _ops.reduction(op, tensor.dtype, backend=route.backend, collective=name)
         return comm.launch(
             Spec(
                 name,
@@ -160,7 +170,8 @@ class Collectives:
                 inputs=(_ops.wire(tensor),),
                 reduce=reduction,
                 described=(tensor,),
-            )
+            ),
+            route,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle[torch.Tensor]:

@@ -48,6 +48,14 @@ from .errors import CollectiveMismatch, Leaving, SessionBroken, SessionClosed
 
 logger = logging.getLogger("asyncdist")
 
+# Outstanding operations a lane keeps before a launch asks the oldest whether
+# they finished, and settles them (``Lane._retire``). Below it, the waiters
+# and the watchdog's once-a-second look settle them, off the issuing path: a
+# burst of 10,000 collectives costs no more to issue than raw torch's. Above
+# it (a program issuing far more than it waits on), a launch pays for the
+# settling, so what a lane holds stays bounded.
+BACKLOG = 16384
+
 T = TypeVar("T")
 
 
@@ -257,9 +265,13 @@ class Lane:
             ValueError: a tensor on a device this lane does not serve (a meta
                 tensor, another GPU than the session's).
         """
-        primary = next(iter(self.routes.values()))
         if not isinstance(tensor, torch.Tensor):
-            return primary
+            return next(iter(self.routes.values()))
+        if tensor.is_cpu and self.route_key is device_type:  # the common case, cheaply
+            route = self.routes.get("cpu")
+            if route is not None:
+                return route
+        primary = next(iter(self.routes.values()))
         route = self.routes.get(self.route_key(tensor))
         if route is None and primary.backend == "gloo" and tensor.device.type == "cuda":
             return primary  # a gloo-only lane stages CUDA tensors through the host
@@ -308,26 +320,25 @@ class Lane:
         """Whether a collective of this lane is still outstanding."""
         return any(not handle.done() for handle in self._outstanding)
 
-    def launch(self, spec: Spec[T]) -> Handle[T]:
+    def launch(self, spec: Spec[T], route: Route | None = None) -> Handle[T]:
         """Issue ``spec`` now (in debug mode: once every rank agreed on it) and
-        return its handle.
+        return its handle. ``route``: the route of every tensor of ``spec``,
+        where the caller resolved it already (default: resolved here).
 
         Raises:
             CollectiveError: torch refused the call before anything was sent.
             CollectiveMismatch: (debug mode, sync callers) ranks disagree.
         """
-        route = None if _wire.is_exchange(spec) else self._route_of(spec)
-        outstanding = self._outstanding
-        while outstanding and outstanding[0].done():
-            retired = outstanding.popleft()
-            if not retired.streamed:  # no stream to order: the result needs no work
-                retired.release(None)  # (close() releases the others)
+        exchange = _wire.is_exchange(spec)
+        if route is None and not exchange:
+            route = self._route_of(spec)
+        self._retire()
         issuer = issuer_key()
         if issuer != self._issuer:
             self._switch_issuer(issuer, spec.op)
         received: list[Any] | None = None
         finish: Callable[[], Any] = spec.finish
-        if _wire.is_exchange(spec):
+        if exchange:
             received = []
             box = received
 
@@ -340,12 +351,31 @@ class Lane:
             self._issue(op, spec, received, route)
         else:
             self._issue_verified(op, spec, received, route)
-        outstanding.append(op)
+        self._outstanding.append(op)
         tracer = self.tree.tracer
         if tracer is not None:
             described = spec.inputs if spec.described is None else spec.described
             tracer.record(op, _ops.nbytes(described) + len(spec.payload))
         return handle_of(op)
+
+    def _retire(self) -> None:
+        """Let go of the oldest operations once settled (waited on, or seen
+        done by the watchdog), at the cost of a flag each: a launch does not
+        settle the work of earlier ones, which their waiter does anyway.
+        Past ``BACKLOG`` outstanding (a program that issues far more than it
+        waits on), the oldest are asked whether they finished, and settled,
+        so the queue stays as long as what is really in flight."""
+        outstanding = self._outstanding
+        while outstanding:
+            head = outstanding[0]
+            if head.streamed or len(outstanding) > BACKLOG:
+                if not head.done():  # NCCL: stays until the device finished it
+                    return
+            elif not head.has_outcome():
+                return
+            outstanding.popleft()
+            if not head.streamed:  # no stream to order: the result needs no work
+                head.release(None)  # (close() releases the others)
 
     def _switch_issuer(self, issuer: IssuerKey, op: str) -> None:
         """Another task or thread issues on this lane: fine once the lane is

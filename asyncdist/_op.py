@@ -64,6 +64,16 @@ T = TypeVar("T")
 Mode = tuple[bool, bool]
 _inference_on = torch.is_inference_mode_enabled  # read on every launch and settle
 _grad_on = torch.is_grad_enabled
+# Guards every op's outcome cell (``Op._claim``/``_set``/callbacks): held for
+# a few field updates, so one lock serves all, and an op makes none.
+_CELLS = threading.Lock()
+
+# The four modes, made once: ``_MODES[inference][grad]`` (an op keeps its
+# launch's mode without making a tuple of its own).
+_MODES: tuple[tuple[Mode, Mode], tuple[Mode, Mode]] = (
+    ((False, False), (False, True)),
+    ((True, False), (True, True)),
+)
 
 
 def current_mode() -> Mode:
@@ -90,84 +100,19 @@ def in_mode(mode: Mode, fn: Callable[[], T]) -> T:
 WAIT_SLICE = 0.5
 
 
-class _Completion:
-    """One-shot result cell, set from any thread, first setter wins.
+class Returns:
+    """A finishing step that only gives back ``value``: the result is known
+    at launch (a tensor reduced in place). An op given one keeps the value
+    and drops the object, one object fewer per outstanding op for the
+    cyclic GC to walk."""
 
-    Waiting uses a lock held from birth and released once settled (two bare
-    locks cost far less to make than a ``threading.Event``'s condition).
-    """
+    __slots__ = ("value",)
 
-    __slots__ = ("_callbacks", "_claimed", "_done", "_error", "_gate", "_lock", "_value")
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._gate = threading.Lock()
-        self._gate.acquire()
-        self._claimed = False
-        self._done = False
-        self._callbacks: list[Callable[[], None]] = []
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def claim(self) -> bool:
-        """True for the first caller only: it must then settle the cell."""
-        with self._lock:
-            if self._claimed or self._done:
-                return False
-            self._claimed = True
-            return True
-
-    def _settle(self, value: Any, error: BaseException | None) -> bool:
-        with self._lock:
-            if self._done:
-                return False
-            self._value, self._error = value, error
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        self._gate.release()
-        for callback in callbacks:
-            callback()
-        return True
-
-    def set_result(self, value: Any) -> bool:
-        return self._settle(value, None)
-
-    def set_error(self, error: BaseException) -> bool:
-        return self._settle(None, error)
-
-    def add_callback(self, callback: Callable[[], None]) -> None:
-        """Run ``callback()`` once done: now (on this thread) if already done,
-        else on the thread that completes the cell.  It must not raise."""
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def remove_callback(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until settled or ``timeout`` seconds passed; True if settled."""
-        if self._done:
-            return True
-        if self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            self._gate.release()  # let the next waiter through
-            return True
-        return self._done
-
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
+    def __call__(self) -> Any:
+        return self.value
 
 
 class Op:
@@ -178,14 +123,19 @@ class Op:
     """
 
     __slots__ = (
-        "_completion",
+        "_callbacks",
+        "_claimed",
+        "_done",
+        "_error",
         "_finish",
+        "_gate",
         "_health",
         "_hooked",
         "_launched",
         "_mode",
         "_notices",
         "_number",
+        "_value",
         "_work",
         "name",
         "observed",
@@ -195,15 +145,27 @@ class Op:
     name: str  # the collective's name, e.g. "allreduce"
     observed: bool  # someone got the result or the error from this op
     streamed: bool  # NCCL: completion is stream-ordered, torch's wait() never blocks the host
-    _completion: _Completion
     _health: Health | None
     _launched: float
     _mode: Mode  # the issuing thread's autograd mode, re-entered to settle
     _work: Any  # a torch Work with a future; None when a Completer settles the op
-    _finish: Callable[[], Any]
+    _finish: Callable[[], Any] | None  # None: the result is ``_value`` already
     _hooked: bool
     _notices: LeaveNotices | None  # where to read that a peer left on purpose
     _number: int  # this collective is its lane's n-th (from 1)
+    # The outcome, a one-shot cell set from any thread (first setter wins):
+    # ``_claimed`` by the settler, ``_done`` once ``_value``/``_error`` are in,
+    # all under the one ``_CELLS`` lock. A thread that blocks until done
+    # sleeps on ``_gate``, a lock made held by the first such waiter and
+    # released once done; most ops never need one (``wait`` sleeps in torch's
+    # ``work.wait``), and every object an op keeps is one more for the
+    # cyclic GC to walk while the op is outstanding.
+    _gate: threading.Lock | None
+    _claimed: bool
+    _done: bool
+    _callbacks: list[Callable[[], None]] | None  # made at the first callback
+    _value: Any
+    _error: BaseException | None
 
     def __init__(
         self,
@@ -219,12 +181,17 @@ class Op:
         self._notices = notices
         self._number = number
         self.name = name
-        self._completion = _Completion()
+        self._gate = None
+        self._claimed = self._done = False
+        self._callbacks = None
+        self._value = self._error = None
         self._health = health
         self._launched = time.monotonic()
-        self._mode = (_inference_on(), _grad_on())
+        self._mode = _MODES[_inference_on()][_grad_on()]
         self._work = None
         self._finish = finish
+        if type(finish) is Returns:  # the result is known: keep it, not the step
+            self._value, self._finish = finish.value, None
         self._hooked = False
         self.observed = False
         self.streamed = False
@@ -255,26 +222,31 @@ class Op:
         if not self.done():
             if fault is None:
                 return
-            if self._completion.claim():
-                self._completion.set_error(fault)
+            if self._claim():
+                self._set(None, fault)
         self._work = None
 
     def fail(self, error: BaseException) -> None:
         """Settle with ``error`` before anything was launched (a local error)."""
-        if self._completion.claim():
-            self._completion.set_error(error)
+        if self._claim():
+            self._set(None, error)
 
     # -- inspection --------------------------------------------------------
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not); for NCCL
         work, once the device finished it."""
-        completion, work = self._completion, self._work
-        if not completion.done() and work is not None and work.is_completed():
+        work = self._work
+        if not self._done and work is not None and work.is_completed():
             self.settle(work.wait)  # returns at once, or raises the backend's error
-        if self.streamed and completion.done() and completion.error() is None:
+        if self.streamed and self._done and self._error is None:
             return bool(work.is_completed())  # settled at enqueue; the device may still run
-        return completion.done()
+        return self._done
+
+    def has_outcome(self) -> bool:
+        """Whether the op is settled: it has its result or error (pure:
+        unlike ``done``, it does not ask the work)."""
+        return self._done
 
     def exception(self) -> BaseException | None:
         """The error the collective ended with, ``None`` if pending or
@@ -282,12 +254,12 @@ class Op:
         if self.done():
             self.observed = True
             if self._health is not None:
-                self._health.mark_seen(self._completion.error())
-        return self._completion.error()
+                self._health.mark_seen(self._error)
+        return self._error
 
     def error(self) -> BaseException | None:
         """The error, if settled with one; pure (nothing counts as seen)."""
-        return self._completion.error()
+        return self._error
 
     def status(self) -> str:
         """``pending``, ``done`` or ``failed: <error type>``, for a repr (pure)."""
@@ -300,7 +272,7 @@ class Op:
         """Run ``callback()`` once settled (at the real completion: the
         work's future is hooked), on the settling thread; it must not raise."""
         self.hook()
-        self._completion.add_callback(callback)
+        self._add_callback(callback)
 
     # -- settling (any thread) -----------------------------------------------
 
@@ -310,10 +282,10 @@ class Op:
         ``finish()`` gives the result, or a local error (the session stays
         usable). Both run in the mode the collective was issued in, on
         whichever thread this is (see the module docstring). Never raises."""
-        if not self._completion.claim():
+        if not self._claim():
             return
         mode = self._mode
-        if mode == (_inference_on(), _grad_on()):  # current_mode(), without the call
+        if mode is _MODES[_inference_on()][_grad_on()]:  # current_mode(), without a tuple
             self._conclude(check)
         else:
             with torch.inference_mode(mode[0]), torch.set_grad_enabled(mode[1]):
@@ -326,7 +298,6 @@ class Op:
 
     def _conclude(self, check: Callable[[], object]) -> None:
         """``settle`` once claimed."""
-        completion = self._completion
         health = self._health
         assert health is not None
         try:
@@ -339,19 +310,19 @@ class Op:
                 # fault, and must not keep those alive past its end.
                 error.__cause__ = exc.with_traceback(None)
             health.record_fault(error)
-            completion.set_error(error)
+            self._set(None, error)
             return
         health.progressed()
         try:
-            value = self._finish()
+            value = self._value if self._finish is None else self._finish()
         except BaseException as exc:  # noqa: BLE001 - a local error (e.g. a refused unpickle)
             # The collective itself went fine: no fault, the session stays usable.
             local = finish_failed(exc, op=self.name, rank=health.rank)
             if local is not exc:
                 local.__cause__ = exc
-            completion.set_error(local)
+            self._set(None, local)
         else:
-            completion.set_result(value)
+            self._set(value, None)
 
     def departure_reader(self) -> Callable[[], Departure | None] | None:
         """A function that reads whether a peer left this op's lane on
@@ -382,7 +353,7 @@ class Op:
             rank=health.rank,
         )
         health.record_fault(error)
-        self._completion.set_error(error)
+        self._set(None, error)
 
     # -- waiting -------------------------------------------------------------
 
@@ -390,15 +361,14 @@ class Op:
         """``Handle.wait``."""
         # No local for the work: a raised error's traceback keeps this frame,
         # which would keep the work (and its group's transport) alive.
-        completion = self._completion
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not completion.done() and self._work is not None:
+        if not self._done and self._work is not None:
             if self.streamed:
                 self.settle(self._work.wait)  # NCCL: a stream dependency, the host goes on
             else:
                 self._block(deadline)
         remaining = None if deadline is None else deadline - time.monotonic()
-        if not completion.wait(remaining):
+        if not self._gate_wait(remaining):
             raise TimeoutError(
                 f"{self.name} did not finish within {timeout:g} s; the handle stays valid "
                 "and can be waited on again"
@@ -410,8 +380,8 @@ class Op:
         CUDA stream; raises its error. Either counts as seen."""
         self.observed = True
         if self._health is not None:
-            self._health.mark_seen(self._completion.error())
-        result = self._completion.result()
+            self._health.mark_seen(self._error)
+        result = self._outcome()
         if self._work is not None:
             # Settled on another thread, maybe: order this thread's current stream
             # after the work (CUDA; for finished CPU work this returns at once).
@@ -420,16 +390,16 @@ class Op:
 
     def join(self) -> BaseException | None:
         """Wait without raising (the session's exit); the error nobody saw, if any."""
-        if not self._completion.done() and self._work is not None:
+        if not self._done and self._work is not None:
             self._block(None)
-        self._completion.wait(None)
-        return None if self.observed else self._completion.error()
+        self._gate_wait(None)
+        return None if self.observed else self._error
 
     def _block(self, deadline: float | None) -> None:
         """Wait in torch's ``work.wait`` (GIL released), in slices that end at
         ``deadline`` or when the watchdog would declare the work lost."""
         work = self._work
-        while not self._completion.done():
+        while not self._done:
             budget = min(self.budget(), WAIT_SLICE)
             if deadline is not None:
                 budget = min(budget, deadline - time.monotonic())
@@ -458,14 +428,72 @@ class Op:
         """Sleep on the loop until this op is settled (a cancel point);
         the caller checked that it is not done yet."""
         self.hook()
-        completion = self._completion
-        await _wakeup.wait_for(completion.add_callback, completion.remove_callback)
+        await _wakeup.wait_for(self._add_callback, self._remove_callback)
 
     async def join_async(self) -> BaseException | None:
         """``join`` for an async exit: waits on the loop, never raises."""
         if not self.done():
             await self.settled()
-        return None if self.observed else self._completion.error()
+        return None if self.observed else self._error
+
+    # -- the outcome cell ------------------------------------------------------
+
+    def _claim(self) -> bool:
+        """True for the first caller only: it must then ``_set`` the outcome."""
+        with _CELLS:
+            if self._claimed or self._done:
+                return False
+            self._claimed = True
+            return True
+
+    def _set(self, value: Any, error: BaseException | None) -> bool:
+        with _CELLS:
+            if self._done:
+                return False
+            self._value, self._error = value, error
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+            gate = self._gate
+        if gate is not None:
+            gate.release()
+        for callback in callbacks or ():
+            callback()
+        return True
+
+    def _add_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` once done: now (on this thread) if already done,
+        else on the thread that sets the outcome. It must not raise."""
+        with _CELLS:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def _remove_callback(self, callback: Callable[[], None]) -> None:
+        with _CELLS:
+            if self._callbacks is not None and callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def _gate_wait(self, timeout: float | None) -> bool:
+        """Block until done or ``timeout`` seconds passed; True if done."""
+        with _CELLS:
+            if self._done:
+                return True
+            gate = self._gate
+            if gate is None:
+                gate = self._gate = threading.Lock()
+                gate.acquire()  # released by ``_set``
+        if gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            gate.release()  # let the next waiter through
+            return True
+        return self._done
+
+    def _outcome(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
 
     def hook(self) -> None:
         """Settle from the work's future callback (a gloo worker thread), so an
