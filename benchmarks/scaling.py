@@ -16,6 +16,9 @@ side by side in the same processes, in alternating order (medians).
   ``s.allreduce(t)`` then ``wait_all(hs).wait()``, raw
   ``dist.all_reduce(t, async_op=True)`` then each ``work.wait()``. Issue alone
   and issue + wait, per op; ``reps * 1000 / N`` bursts per arm (at least 1).
+  The largest burst runs again with the cyclic GC off in both arms (not
+  judged): a pending handle keeps two GC-tracked objects (its op and
+  itself), a raw work none, and each collection walks them.
 * wait_all: ``wait_all(hs).wait()`` and ``await wait_all(hs)`` (asyncio) over
   10,000 handles already complete, per handle; beside them raw
   ``work.wait()`` over as many complete works.
@@ -120,10 +123,11 @@ def _memory_now() -> tuple[int, int]:
 
 
 def _bursts(
-    session: Any, bursts: list[int], reps: int, keep: int
+    session: Any, bursts: list[int], reps: int, keep: int, *, collect: bool = True
 ) -> tuple[dict[str, Any], tuple[list[Any], list[Any]] | None]:
     """Per burst size: per-op issue and issue+wait times, both arms, alternating;
-    and the last burst of ``keep`` ops, done (handles, raw works), if any."""
+    and the last burst of ``keep`` ops, done (handles, raw works), if any.
+    ``collect=False``: the cyclic GC is off during each burst (both arms)."""
     import torch
     import torch.distributed as dist
 
@@ -142,6 +146,8 @@ def _bursts(
             for arm in ("raw", "ad") if r % 2 else ("ad", "raw"):
                 tensors = [torch.ones(1) for _ in range(n)]
                 session.barrier().wait()
+                if not collect:
+                    gc.disable()
                 t0 = clock()
                 if arm == "raw":
                     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
@@ -153,6 +159,7 @@ def _bursts(
                     t1 = clock()
                     wait_all(handles).wait()
                 t2 = clock()
+                gc.enable()
                 if r:
                     times[f"{arm}_issue"].append((t1 - t0) / n)
                     times[f"{arm}_all"].append((t2 - t0) / n)
@@ -335,8 +342,12 @@ def _rank(
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     burst, done = _bursts(session, bursts, reps, handles)
+    # the largest burst again with the cyclic GC off: what the GC's walks of
+    # the objects outstanding handles keep cost (raw works keep none)
+    no_gc, _ = _bursts(session, bursts[-1:], reps, 0, collect=False)
     out: dict[str, Any] = {
         "burst": burst,
+        "burst_no_gc": no_gc,
         "wait_all": _wait_all(session, handles, reps, done) if handles else None,
         "memory": _memory(session, store, memory),
     }
@@ -379,6 +390,9 @@ def summarize(
             b["issue_ratio"] = b["ad_issue"] / b["raw_issue"]
             b["all_ratio"] = b["ad_all"] / b["raw_all"]
             burst[n] = b
+        no_gc = {}
+        for n, t in ranks[0].get("burst_no_gc", {}).items():
+            no_gc[n] = med(t["ad_issue"]) / med(t["raw_issue"])
         waits = ranks[0]["wait_all"]
         memory = {
             n: {arm: med(values) for arm, values in grown.items()}
@@ -387,6 +401,7 @@ def summarize(
         per[ws] = {
             "entry_s": e,
             "burst": burst,
+            "issue_ratio_no_gc": no_gc,
             "wait_all_s_per_handle": None
             if waits is None
             else {key: med(values) for key, values in waits.items()},
@@ -424,6 +439,9 @@ def summarize(
             met = all(v is not None and v <= BURST_GOAL for v in values)
             goals[f"burst_{n}_{what}"] = met
             row(f"{label}: {what} ×", values, ".2f", f"<= {BURST_GOAL}", met)
+        if any(n in per[ws]["issue_ratio_no_gc"] for ws in sizes):
+            values = [per[ws]["issue_ratio_no_gc"].get(n) for ws in sizes]
+            row(f"{label}: issue × GC off", values, ".2f")
     waits = [per[ws]["wait_all_s_per_handle"] for ws in sizes]
     if all(w is not None for w in waits):
         for key, label in (
