@@ -355,7 +355,15 @@ def _rank(
     session.barrier().wait()
     session.close()  # the entry rounds open fresh sessions
     out["entry"] = _entry(rank, world_size, store, rounds)
-    _align(store, "done", world_size)  # rank 0's store outlives every peer's use of it
+    _align(store, "done", world_size)
+    # rank 0 hosts the store: it returns (and its process takes the store
+    # down) only once every peer said it is done with it
+    if rank:
+        store.add("done/left", 1)
+    else:
+        deadline = time.monotonic() + 60
+        while store.add("done/left", 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
     return out
 
 
