@@ -339,12 +339,7 @@ class Lane:
         received: list[Any] | None = None
         finish: Callable[[], Any] = spec.finish
         if exchange:
-            received = []
-            box = received
-
-            def finish() -> Any:
-                return spec.finish(box[0])
-
+            received, finish = _receiving(spec)
         self._issued += 1
         op = Op(spec.op, self.health, finish, self._notices, self._issued)
         if self._verifier is None:
@@ -405,17 +400,10 @@ class Lane:
         *,
         deferred: bool = False,
     ) -> None:
+        # (no closure here: this is the hot path, and a closure would make
+        # its variables cells on every call)
         if received is not None:
-            # Two steps on the side group, in program order on one thread:
-            # issued from a callback, the second step would race with what
-            # the program issues meanwhile (see ``_wire``).
-            group = self._side["objects"]
-            world, rank = self.world_size, self.rank
-
-            def run() -> None:
-                received.append(_wire.exchange(group, spec, world, rank))
-
-            self._completer.submit("objects", lambda: op.settle(run))
+            self._exchange(op, spec, received)
             return
         assert route is not None
         try:
@@ -425,9 +413,21 @@ class Lane:
             raise self.health.translate(exc, op=spec.op, left=op.departure_reader()) from exc
         key = _wire.futureless(spec) if route.backend == "gloo" else None
         if key is not None:
-            self._completer.submit(f"{route.device.type}:{key}", lambda: op.settle(work.wait))
+            self._completer.submit(f"{route.device.type}:{key}", _settling(op, work))
         else:
             op.attach(work, streamed=route.backend == "nccl", hook=deferred)
+
+    def _exchange(self, op: Op, spec: Spec[Any], received: list[Any]) -> None:
+        """Run the exchange ``spec`` on the objects side group: two steps, in
+        program order on one thread (issued from a callback, the second step
+        would race with what the program issues meanwhile; see ``_wire``)."""
+        group = self._side["objects"]
+        world, rank = self.world_size, self.rank
+
+        def run() -> None:
+            received.append(_wire.exchange(group, spec, world, rank))
+
+        self._completer.submit("objects", lambda: op.settle(run))
 
     def _issue_verified(
         self,
@@ -578,3 +578,18 @@ class Lane:
             self._notices.release()  # no handle keeps the store (or its port) alive
         self.group = None
         self.routes = {}  # nor a route its group
+
+
+def _receiving(spec: Spec[T]) -> tuple[list[Any], Callable[[], T]]:
+    """An exchange's box for what it receives, and its finishing step over it."""
+    box: list[Any] = []
+
+    def finish() -> T:
+        return spec.finish(box[0])
+
+    return box, finish
+
+
+def _settling(op: Op, work: Any) -> Callable[[], None]:
+    """A completer's job: wait for a futureless ``work``, then settle ``op``."""
+    return lambda: op.settle(work.wait)
