@@ -18,7 +18,8 @@ off from the store decides nothing. Keys, under ``ROOT``:
   why there is none;
 * ``generation``: a counter, the newest world formed (joiners read it);
 * ``joins`` and ``join/{n}``: the joiners, numbered as they register;
-  ``admitted``: how many of them a world took in;
+  ``admitted``: the joins settled, in order (taken in by a world, or gone
+  before one did), whose keys are deleted;
 * ``gen/{g}/planned``: the commit (by count) at which world ``g`` ends to
   admit joiners, written by its rank 0;
 * ``pg/{g}/...``: world ``g``'s process groups (gloo's own keys).
@@ -288,16 +289,17 @@ class Coordinator:
             why="timeout",
         )
 
-    def joiners(self) -> list[str]:
-        """The joiners registered and not yet taken in, in order."""
-        admitted = int(self.store.add("admitted", 0))
+    def joiners(self, members: Sequence[str] = ()) -> list[str]:
+        """The joiners registered and not yet taken in, in order: neither
+        gone nor among ``members`` (the running world's)."""
+        settled = int(self.store.add("admitted", 0))
         joins = int(self.store.add("joins", 0))
         found = []
-        for number in range(admitted + 1, joins + 1):
+        for number in range(settled + 1, joins + 1):
             key = f"join/{number}"
             if self.has(key):
                 member = self.read(key)
-                if not self.has(f"dead/{member}"):
+                if member not in members and not self.has(f"dead/{member}"):
                     found.append(member)
         return found
 
@@ -311,11 +313,28 @@ class Coordinator:
         key = f"gen/{generation}/planned"
         return int(self.read(key)) if self.has(key) else None
 
-    def announce(self, decision: Decision, admitted: int) -> None:
+    def announce(self, decision: Decision) -> None:
         """The new rank 0, before forming world ``decision.generation``: its
-        ``admitted`` joiners find it now (and join its forming)."""
-        if admitted:
-            self.store.add("admitted", admitted)
+        joiners find it now (and join its forming).
+
+        The joins it settles (taken in, or gone before a world took them) are
+        deleted, in registration order up to the first that is not: a
+        joiner counted in ``joins`` may not have written its key yet.
+        ``admitted`` marks how far that went; ``joiners`` starts after it.
+        """
+        settled = int(self.store.add("admitted", 0))
+        mark = settled
+        for number in range(settled + 1, int(self.store.add("joins", 0)) + 1):
+            key = f"join/{number}"
+            if not self.has(key):
+                break
+            member = self.read(key)
+            if member not in decision.members and not self.has(f"dead/{member}"):
+                break
+            self.store.delete_key(key)
+            mark = number
+        if mark > settled:
+            self.store.add("admitted", mark - settled)
         self.store.add("generation", decision.generation - int(self.store.add("generation", 0)))
 
     # -- re-forming -------------------------------------------------------------------
@@ -370,7 +389,7 @@ class Coordinator:
                     min_world_size=min_world_size,
                     channels=channels,
                     reason=ended,
-                    joiners=self.joiners(),
+                    joiners=self.joiners(members),
                 )
                 text = proposal.encode() if isinstance(proposal, Decision) else _failure(proposal)
                 decided = _decoded(generation + 1, self.create(key, text))
@@ -644,8 +663,7 @@ class Membership:
         if self._watcher is not None:
             self._watcher.generation = decision.generation
         if decision.members[0] == self.me:  # the new rank 0 tells joiners, and tidies up
-            admitted = len([m for m in decision.members if m not in old])
-            self.coordinator.announce(decision, admitted)
+            self.coordinator.announce(decision)
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self.coordinator.forget(decision.generation - 2, [*old, *decision.members])
         return decision
@@ -658,7 +676,7 @@ class Membership:
             coordinator = self.coordinator
             if self._planned is None:
                 self._planned = coordinator.planned(self.generation)
-            if self._planned is None and rank == 0 and coordinator.joiners():
+            if self._planned is None and rank == 0 and coordinator.joiners(self.members):
                 self._planned = coordinator.plan(self.generation, commits + 1)
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)

@@ -394,6 +394,49 @@ def test_the_membership_rule(
         assert decided.commits == max(c for _, c in heard)
 
 
+def test_joins_are_settled_in_order_and_their_keys_deleted() -> None:
+    """The new rank 0 settles the joins a world took in (or that died before
+    one did): their keys go, and nobody counts a member as a joiner again,
+    which would end every world at its next commit."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from asyncdist._membership import Coordinator
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=5),
+    )
+    rank0 = Coordinator(store, "a", 5.0)
+
+    def register(member: str) -> None:  # as Coordinator.join does
+        store.set(f"join/{int(store.add('joins', 1))}", member)
+
+    def join_keys() -> list[str]:
+        return sorted(k for k in store.list_keys() if k.startswith("join/"))
+
+    register("j1")
+    register("j2")
+    store.set("dead/j1", "exited")  # gone before a world took it in
+    assert rank0.joiners(["a", "b"]) == ["j2"]
+    rank0.announce(Decision(1, ("a", "b", "j2"), 3, (), "joined"))
+    assert join_keys() == []
+    assert rank0.joiners(["a", "b", "j2"]) == []
+    store.add("joins", 1)  # j3 is counted, its key not written yet
+    register("j4")
+    rank0.announce(Decision(2, ("a", "b", "j2", "j4"), 4, (), "joined"))
+    assert join_keys() == ["join/4"], "settling stops at a join not written yet"
+    store.set("join/3", "j3")
+    assert rank0.joiners(["a", "b", "j2", "j4"]) == ["j3"]
+    rank0.announce(Decision(3, ("a", "b", "j2", "j4", "j3"), 5, (), "joined"))
+    assert join_keys() == []
+    assert int(store.add("admitted", 0)) == 4
+
+
 def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
     """The worlds are formed on a worker thread (``Worlds.__anext__``): the
     first world's state broadcast waits for a late peer without stalling."""
