@@ -221,6 +221,8 @@ class Coordinator:
         self.store = store
         self.me = me
         self.timeout = timeout
+        # joiners' heartbeats as this member last saw them: (count, since when)
+        self._joiner_beats: dict[str, tuple[int, float]] = {}
 
     def create(self, key: str, value: str) -> str:
         """Write ``value`` under ``key`` unless the key exists; the value it
@@ -299,9 +301,23 @@ class Coordinator:
             key = f"join/{number}"
             if self.has(key):
                 member = self.read(key)
-                if member not in members and not self.has(f"dead/{member}"):
+                if member not in members and not self._joiner_gone(member):
                     found.append(member)
         return found
+
+    def _joiner_gone(self, member: str) -> bool:
+        """A joiner is gone when its launcher said so, or when its heartbeat
+        (it beats while it waits) stood still for the timeout, as this member
+        watched it: a joiner started by hand has no launcher to say it died,
+        and taking it in would fail the next world's forming."""
+        if self.has(f"dead/{member}"):
+            return True
+        count, now = int(self.store.add(f"hb/{member}", 0)), time.monotonic()
+        last = self._joiner_beats.get(member)
+        if last is None or last[0] != count:
+            self._joiner_beats[member] = (count, now)
+            return False
+        return now - last[1] >= self.timeout
 
     def plan(self, generation: int, commit: int) -> int:
         """Rank 0: end world ``generation`` at commit ``commit`` to take in
@@ -329,8 +345,9 @@ class Coordinator:
             if not self.has(key):
                 break
             member = self.read(key)
-            if member not in decision.members and not self.has(f"dead/{member}"):
+            if member not in decision.members and not self._joiner_gone(member):
                 break
+            self._joiner_beats.pop(member, None)
             self.store.delete_key(key)
             mark = number
         if mark > settled:

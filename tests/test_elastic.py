@@ -435,6 +435,16 @@ def test_joins_are_settled_in_order_and_their_keys_deleted() -> None:
     rank0.announce(Decision(3, ("a", "b", "j2", "j4", "j3"), 5, (), "joined"))
     assert join_keys() == []
     assert int(store.add("admitted", 0)) == 4
+    # a joiner started by hand dies while it waits: no launcher writes its
+    # dead/ key, but its heartbeat stops
+    watching = Coordinator(store, "a", 0.3)
+    register("j5")
+    store.add("hb/j5", 1)
+    assert watching.joiners(["a"]) == ["j5"]
+    time.sleep(0.4)
+    assert watching.joiners(["a"]) == [], "a joiner whose heartbeat stood still is gone"
+    watching.announce(Decision(4, ("a", "b", "j2", "j4", "j3"), 6, (), "died"))
+    assert join_keys() == []
 
 
 def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
