@@ -797,9 +797,10 @@ def test_under_torchrun_the_other_node_goes_on_and_the_restarted_worker_joins(
     keeps its process and state, and node 1's agent restarts its worker,
     which joins instead of forming a world."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
+
+    from _hosts import run_on_hosts
 
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root / "tools"))
@@ -811,7 +812,7 @@ def test_under_torchrun_the_other_node_goes_on_and_the_restarted_worker_joins(
     job = str(Path(__file__).resolve().parent / "elastic_torchrun_job.py")
     with TwoHosts() as hosts:
         port = hosts.free_port(0)
-        procs = []
+        commands = []
         for host in (0, 1):
             argv = [
                 *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
@@ -819,24 +820,10 @@ def test_under_torchrun_the_other_node_goes_on_and_the_restarted_worker_joins(
                 *(f"--master-port={port}", "--max-restarts=1", "--monitor-interval=0.5", job),
             ]
             env = hosts.env(host, ASYNCDIST_OUT=str(tmp_path), PYTHONPATH=str(root))
-            procs.append(
-                subprocess.Popen(
-                    hosts.command(host, argv),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        try:
-            logs = [p.communicate(timeout=150)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+            commands.append((argv, env))
+        ran = run_on_hosts(hosts, commands, timeout=150)
+    for code, log in ran:
+        assert code == 0, log[-3000:]
     survivor = json.loads((tmp_path / "done.0.0.json").read_text())
     joiner = json.loads((tmp_path / "done.1.1.json").read_text())
     assert not (tmp_path / "done.1.0.json").exists()

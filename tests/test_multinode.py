@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _hosts import run_on_hosts  # noqa: E402
+
 from tools.netns import TwoHosts, missing  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "multinode_job.py"
@@ -28,7 +30,7 @@ needs_namespaces = pytest.mark.skipif(missing() is not None, reason=f"multi-node
 def _torchrun(tmp_path: Path, *extra: str, **env_extra: str) -> list[dict[str, object]]:
     with TwoHosts() as hosts:
         port = hosts.free_port(0)
-        procs = []
+        commands = []
         for host in (0, 1):
             argv = [
                 sys.executable,
@@ -51,24 +53,9 @@ def _torchrun(tmp_path: Path, *extra: str, **env_extra: str) -> list[dict[str, o
                 PYTHONPATH=str(ROOT),
                 **env_extra,
             )
-            procs.append(
-                subprocess.Popen(
-                    hosts.command(host, argv),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        try:
-            logs = [p.communicate(timeout=200)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        for p, log in zip(procs, logs, strict=True):
-            assert p.returncode == 0, log[-3000:]
+            commands.append((argv, env))
+        for code, log in run_on_hosts(hosts, commands, timeout=200):
+            assert code == 0, log[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
 
 
