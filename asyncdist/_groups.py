@@ -4,9 +4,10 @@ A session tree's groups, and who forms them:
 
 * the world: the default group, formed by ``form_world`` on a session's
   entry (or adopted, ``adopt_world``, when someone initialised it already);
-* side groups of a lane (``form_side_groups``): one for object traffic, and
-  in debug mode one for fingerprints. Both gloo, over the lane's ranks;
-* a split's blocks (``form_blocks``) and a channel's group (``form_channel``).
+* a split's blocks (``form_blocks``) and a channel's group (``form_channel``);
+* side groups of a lane (``SideGroup``): one for object traffic, and in debug
+  mode one for fingerprints. Both gloo, over the lane's ranks, each formed at
+  its first use, on the completer thread that carries its traffic.
 
 Every lane records how it holds its group (``Ownership``) and gives its
 groups back through ``destroy``.
@@ -14,11 +15,20 @@ groups back through ``destroy``.
 Naming. torch names a group formed with ``use_local_synchronization=True``
 by ``len(_world.pg_names)``, a per-process count of the groups formed so
 far: ranks that form groups in different orders give them different names
-and never meet. So every group is formed eagerly, in program order, on every
-member (a session's entry, ``split``, the first ``channel(name)``), never
-lazily inside the first collective that needs it. The default group's name
-comes from another per-process counter that only
+and never meet. So every torch group is formed eagerly, in program order, on
+every member (a session's entry, ``split``, the first ``channel(name)``). The
+default group's name comes from another per-process counter that only
 ``destroy_process_group()`` resets (``name_groups_afresh``).
+
+Side groups are not torch groups, so torch's naming does not reach them: a
+``SideGroup`` is a ``ProcessGroupGloo`` built directly on the default
+group's store, under a prefix every member derives alike from its lane's
+torch group name (agreed, since that group formed in program order) and the
+session's ``side_namespace``. Nothing in it depends on when a rank forms it,
+so each forms at the lane's first object collective (or first debug
+agreement), when its members meet anyway, and a session that never sends an
+object never pays for a second rendezvous at entry. It is used only through
+its methods, blocking, on one completer thread (``_wire``'s exchanges).
 
 Loopback. gloo binds the address the host name resolves to (often a public
 one) unless ``GLOO_SOCKET_IFNAME`` names an interface, and it reads the
@@ -27,9 +37,11 @@ choose it: ``init_process_group(pg_options=...)`` and
 ``new_group(pg_options=...)`` drop the options of a gloo backend, and a
 ``ProcessGroupGloo`` built with its own devices is not a
 ``torch.distributed`` group. A local world (no master given, or a loopback
-master) therefore forms its gloo groups inside ``gloo_on_loopback``, which
-sets the variable for the forming only; it is asyncdist's one write to
-``os.environ``.
+master) therefore forms its torch gloo groups inside ``gloo_on_loopback``,
+which sets the variable for the forming only; it is asyncdist's one write to
+``os.environ``. A side group, not being a torch group, names its device
+itself (the loopback interface, or the interfaces the variable named when
+its lane was made), and so never reads the variable on a completer thread.
 
 Teardown order. gloo runs a future's callbacks on its worker thread while
 that thread still holds the work; if a waiter wakes and the group is
@@ -40,12 +52,15 @@ the closing thread: its sub-lanes; its completer threads and (for the root)
 the tree's watchdog, joined; its outstanding handles forgotten; then
 ``destroy``: side groups, sub-groups and the group; and only then the
 handles let go of their works (a work keeps its group's transport alive).
+A side group's works carry no callbacks (its exchanges wait on them), so
+what holds it last is its lane or a completer thread, never gloo's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import socket
@@ -354,24 +369,108 @@ def global_ranks(group: Any, world_size: int) -> list[int]:
 # -- a lane's groups -----------------------------------------------------------------------
 
 
-def form_side_groups(
-    ranks: Sequence[int], kinds: Iterable[str], *, timeout: float, loopback: bool
-) -> dict[str, Any]:
-    """A gloo group over ``ranks`` for each of ``kinds``, formed now, in order.
+class SideGroup:
+    """A gloo group over a lane's members for one kind of side traffic
+    (``kind``: "objects" or "debug"), formed at its first use (see the
+    module docstring for why that is safe, and how it is named).
 
-    Raises:
-        RuntimeError, OSError: a peer did not join in time.
+    ``group()`` is called on one completer thread only; ``close()`` on the
+    lane's closing thread, after that thread was joined (or given up on).
     """
-    side: dict[str, Any] = {}
-    with gloo_on_loopback(loopback):
-        for kind in kinds:
-            side[kind] = dist.new_group(
-                list(ranks),
-                timeout=datetime.timedelta(seconds=timeout),
-                backend="gloo",
-                use_local_synchronization=True,
-            )
-    return side
+
+    def __init__(
+        self,
+        lane_group: Any,
+        kind: str,
+        rank: int,
+        world_size: int,
+        *,
+        namespace: str,
+        timeout: float,
+        loopback: bool,
+    ) -> None:
+        self.kind = kind
+        self._prefix = f"{namespace}/{lane_group.group_name}/{kind}"
+        self._rank, self._world_size, self._timeout = rank, world_size, timeout
+        self._interfaces = _side_interfaces(loopback)
+        self._lock = threading.Lock()
+        self._group: Any = None
+        self._closed = False
+
+    def group(self) -> Any:
+        """The ``ProcessGroupGloo``, formed now if it is not yet (blocking
+        until every member formed it, up to the timeout).
+
+        Raises:
+            RuntimeError: it is closed, or a member did not join in time.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self.kind} side group is closed")
+            if self._group is not None:
+                return self._group
+        formed = self._form()
+        with self._lock:
+            if not self._closed:
+                self._group = formed
+                return formed
+        raise RuntimeError(f"the {self.kind} side group closed while it formed")
+
+    def _form(self) -> Any:
+        gloo = dist.ProcessGroupGloo
+        if self._interfaces:
+            devices = [gloo.create_device(interface=name) for name in self._interfaces]
+        else:
+            devices = [gloo.create_default_device()]
+        # torch's options type and fields are private; the public constructor
+        # would choose the devices from the environment (see the docstring)
+        options = gloo._Options()  # type: ignore[attr-defined]
+        options._devices = devices
+        options._threads = 1  # its exchanges run one at a time, on one thread
+        options._timeout = datetime.timedelta(seconds=self._timeout)
+        # A client of its own: a TCPStore client serves one request at a time
+        # and holds it through a wait, so lanes forming side groups at once on
+        # one client would each hold up the key the other's peers wait for.
+        store = distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
+        return gloo(dist.PrefixStore(self._prefix, store), self._rank, self._world_size, options)
+
+    def close(self) -> None:
+        """Let go of the group (formed or not); ``group()`` raises from now on."""
+        with self._lock:
+            self._closed = True
+            self._group = None
+
+
+def _side_interfaces(loopback: bool) -> list[str]:
+    """The interfaces a side group binds: the loopback one for a local world;
+    else those the user's ``GLOO_SOCKET_IFNAME`` names (read now, on the
+    thread making the lane, under the lock of ``gloo_on_loopback``), or none:
+    gloo's default device, as torch's own groups get."""
+    if loopback:
+        name = _loopback_interface()
+        if name is not None:
+            return [name]
+    with _GLOO_ENV_LOCK:
+        names = os.environ.get(_GLOO_IFNAME, "")
+    return [name for name in names.split(",") if name]
+
+
+_ADOPTIONS = itertools.count()
+
+
+def side_namespace(owns: Ownership) -> str:
+    """The store prefix of a session's side groups, alike on every member.
+
+    A world this process formed has a store of its own (a fresh one, or a
+    kept one under a prefix per session; an elastic world's under its
+    generation), so its lanes' group names suffice. An adopted default group
+    keeps its store across the sessions that adopt it, and names its root
+    lane alike in each: those sessions are numbered, in the order this
+    process opens them, as every rank does.
+    """
+    if owns == "adopted":
+        return f"asyncdist/side/adopted{next(_ADOPTIONS)}"
+    return "asyncdist/side"
 
 
 def form_blocks(
@@ -409,19 +508,17 @@ def form_channel(ranks: Sequence[int], *, timeout: float, loopback: bool) -> Any
         )
 
 
-def destroy(owns: Ownership, group: Any, side: Iterable[Any]) -> None:
+def destroy(owns: Ownership, group: Any, side: Iterable[SideGroup]) -> None:
     """Destroy a closing lane's groups, on the closing thread (see the module
-    docstring for what must happen before). A groups already gone is skipped."""
-    groups = [] if owns == "world" else list(side)  # the world takes its groups along
-    if owns == "world":
-        groups.append(None)
-    elif owns == "group":
-        groups.append(group)
-    for each in groups:
-        try:
-            dist.destroy_process_group(each)
-        except (RuntimeError, ValueError, KeyError) as exc:  # already gone
-            logger.debug("destroy_process_group: %s", exc)
+    docstring for what must happen before). A group already gone is skipped."""
+    for each in side:
+        each.close()
+    if owns == "adopted":
+        return
+    try:
+        dist.destroy_process_group(None if owns == "world" else group)
+    except (RuntimeError, ValueError, KeyError) as exc:  # already gone
+        logger.debug("destroy_process_group: %s", exc)
 
 
 def destroy_world() -> None:

@@ -3,13 +3,14 @@
 Collectives pair up across ranks by issue order *per lane*. A session's
 root lane, each channel's and each split's are lanes, and "lane" means that
 and nothing else in asyncdist. A ``Lane`` holds what the stream needs: its
-group and side groups (object traffic, debug fingerprints; formed in
-``_groups``), its routes by device type, the issuer guard (two tasks issuing
-at once on one lane are refused before launch), its outstanding operations
-(``_op.Op``), its lazy completer threads, its sub-lanes, its leave notices,
-and the session tree's shared record (``_progress.Tree``: health, the one
-watchdog, the tracer, timeout, debug). ``Lane.check`` decides whether the
-lane is usable (closed, or broken by a fault anywhere in the tree).
+group and side groups (object traffic, debug fingerprints; ``_groups``
+forms them at their first use), its routes by device type, the issuer guard
+(two tasks issuing at once on one lane are refused before launch), its
+outstanding operations (``_op.Op``), its lazy completer threads, its
+sub-lanes, its leave notices, and the session tree's shared record
+(``_progress.Tree``: health, the one watchdog, the tracer, timeout, debug).
+``Lane.check`` decides whether the lane is usable (closed, or broken by a
+fault anywhere in the tree).
 
 Collectives reach it as a ``_wire.Spec``: a small declarative description of
 what to issue (which call, which tensors, reduce op, root) and how to finish
@@ -78,6 +79,7 @@ class Lane:
         label: str = "the session",
         parent: Lane | None = None,
         notices: LeaveNotices | None = None,
+        namespace: str = "",
     ) -> None:
         self.group = group
         self.tree = tree
@@ -101,7 +103,22 @@ class Lane:
         self._owns = owns
         self._parent = parent
         self._children: list[Lane] = []
-        self._side: dict[str, Any] = {}
+        # formed at first use, on the completer thread that carries their traffic
+        if parent is not None:
+            namespace = parent.namespace
+        self.namespace: str = namespace  # the store prefix of its side groups
+        self._side = {
+            kind: _groups.SideGroup(
+                group,
+                kind,
+                rank,
+                world_size,
+                namespace=namespace,
+                timeout=self.timeout,
+                loopback=self.loopback,
+            )
+            for kind in (("objects", "debug") if self.debug else ("objects",))
+        }
         self._outstanding: collections.deque[Op] = collections.deque()
         self._verifier = Verifier(rank) if tree.debug else None
         self._closed = False
@@ -135,6 +152,7 @@ class Lane:
             world_size=world.world_size,
             owns=world.owns,
             notices=tree.notices,
+            namespace=_groups.side_namespace(world.owns),
         )
 
     # -- groups -------------------------------------------------------------------
@@ -143,28 +161,6 @@ class Lane:
     def global_ranks(self) -> list[int]:
         """The default group's ranks of this lane's members, by lane rank."""
         return _groups.global_ranks(self.group, self.world_size)
-
-    def form_side_groups(self) -> None:
-        """Form the side groups now, while waiting for peers is expected (the
-        session's entry, ``split`` and ``channel`` run off the event loop in
-        async code), not inside the first object collective.
-
-        Every lane, each channel included, keeps its own objects group:
-        object collectives are two steps (sizes, then payload) run on a
-        completer thread, which on the lane's own group would interleave with
-        the collectives issued meanwhile. Forming it lazily, at the first
-        object collective, is unsafe: torch names a group formed with
-        ``use_local_synchronization=True`` by ``len(_world.pg_names)``, so
-        ranks that form groups in different orders would name it differently
-        (see ``_groups``).
-
-        Raises:
-            RuntimeError, OSError: a peer did not join in time.
-        """
-        kinds = ("objects", "debug") if self.debug else ("objects",)
-        self._side = _groups.form_side_groups(
-            self.global_ranks, kinds, timeout=self.timeout, loopback=self.loopback
-        )
 
     def split(self, group_size: int) -> Lane:
         """A lane over this rank's block of ``group_size`` consecutive ranks,
@@ -194,7 +190,7 @@ class Lane:
             members = ranks[mine * group_size : (mine + 1) * group_size]
             notices = self._notices.child(f"split{self._splits}", members, label)
         self._splits += 1
-        return self._child(own, self.rank % group_size, group_size, "split", label, notices)
+        return self._child(own, self.rank % group_size, group_size, label, notices)
 
     def channel(self, name: str) -> Lane:
         """A lane over the same ranks with groups of its own (its collectives
@@ -218,14 +214,13 @@ class Lane:
         notices = None
         if self._notices is not None:
             notices = self._notices.child(f"channel:{name}", self.global_ranks, label)
-        return self._child(group, self.rank, self.world_size, "channel", label, notices)
+        return self._child(group, self.rank, self.world_size, label, notices)
 
     def _child(
         self,
         group: Any,
         rank: int,
         world_size: int,
-        op: str,
         label: str,
         notices: LeaveNotices | None = None,
     ) -> Lane:
@@ -240,11 +235,6 @@ class Lane:
             notices=notices,
         )
         self._children.append(child)
-        try:
-            child.form_side_groups()
-        except RuntimeError as exc:
-            child.close()
-            raise self.health.fail(exc, op=op) from exc
         return child
 
     # -- routing -------------------------------------------------------------------
@@ -421,11 +411,11 @@ class Lane:
         """Run the exchange ``spec`` on the objects side group: two steps, in
         program order on one thread (issued from a callback, the second step
         would race with what the program issues meanwhile; see ``_wire``)."""
-        group = self._side["objects"]
+        side = self._side["objects"]
         world, rank = self.world_size, self.rank
 
         def run() -> None:
-            received.append(_wire.exchange(group, spec, world, rank))
+            received.append(_wire.exchange(side.group(), spec, world, rank))
 
         self._completer.submit("objects", lambda: op.settle(run))
 
@@ -479,7 +469,7 @@ class Lane:
         assert self._verifier is not None
         try:
             exchanged = _wire.exchange_fingerprints(
-                self._side["debug"], fingerprint.encode(), self.world_size
+                self._side["debug"].group(), fingerprint.encode(), self.world_size
             )
         except RuntimeError as exc:
             raise self.health.fail(exc, op=name, left=op.departure_reader()) from exc

@@ -217,28 +217,52 @@ def _byte_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+# A side group is a ``ProcessGroupGloo`` of its own, not a torch.distributed
+# group (see ``_groups``), so the exchanges call its methods and wait.
+
+
+def _side_broadcast(group: Any, tensor: torch.Tensor, src: int) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    group.broadcast([tensor], options).wait()
+
+
+def _side_all_gather(group: Any, out: torch.Tensor, mine: torch.Tensor, world_size: int) -> None:
+    """Every rank's ``mine`` into ``out``, rank by rank (views: no copy back)."""
+    if out.is_complex():  # gloo has no complex type; torch's own wrappers do this too
+        out, mine = torch.view_as_real(out), torch.view_as_real(mine)
+    group.allgather([list(out.view(-1).tensor_split(world_size))], [mine.view(-1)]).wait()
+
+
+def _side_gather(group: Any, mine: torch.Tensor, into: list[torch.Tensor] | None, dst: int) -> None:
+    options = dist.GatherOptions()
+    options.rootRank = dst
+    group.gather([into] if into is not None else [], [mine], options).wait()
+
+
 def _broadcast_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> bytes:
-    src = spec.root
+    src = _root(spec)
     size = torch.tensor([len(spec.payload)], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=src)
+    _side_broadcast(group, size, src)
     if rank == src:
         buffer = _byte_tensor(spec.payload)
     else:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8)
     if buffer.numel():
-        dist.broadcast(buffer, group=group, group_src=src)
+        _side_broadcast(group, buffer, src)
     return tensor_bytes(buffer)
 
 
 def _all_gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> list[bytes]:
     payload = spec.payload
     sizes = torch.empty(world_size, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    _side_all_gather(group, sizes, torch.tensor([len(payload)], dtype=torch.int64), world_size)
     longest = int(sizes.max().item())
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(payload)] = _byte_tensor(payload)
     everyone = torch.empty(world_size * longest, dtype=torch.uint8)
-    dist.all_gather_single(everyone, mine, group=group)
+    if longest:
+        _side_all_gather(group, everyone, mine, world_size)
     return [
         tensor_bytes(everyone[r * longest : r * longest + int(sizes[r])]) for r in range(world_size)
     ]
@@ -247,13 +271,13 @@ def _all_gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -
 def _gather_bytes(group: Any, spec: Spec[Any], world_size: int, rank: int) -> list[bytes] | None:
     payload, dst = spec.payload, _root(spec)
     sizes = torch.empty(world_size, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    _side_all_gather(group, sizes, torch.tensor([len(payload)], dtype=torch.int64), world_size)
     longest = int(sizes.max().item())
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(payload)] = _byte_tensor(payload)
     buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
     if longest:
-        dist.gather(mine, buffers if rank == dst else None, group=group, group_dst=dst)
+        _side_gather(group, mine, buffers if rank == dst else None, dst)
     if rank != dst:
         return None
     return [tensor_bytes(buffers[r][: int(sizes[r])]) for r in range(world_size)]
@@ -271,7 +295,7 @@ def _all_gather_rows(
     kind = f"{mine.dtype}{list(mine.shape[1:])}".encode()
     header = torch.tensor([mine.shape[0], zlib.crc32(kind)], dtype=torch.int64)
     headers = torch.empty(2 * world_size, dtype=torch.int64)
-    dist.all_gather_single(headers, header, group=group)
+    _side_all_gather(group, headers, header, world_size)
     rows, digests = headers[0::2].tolist(), headers[1::2].tolist()
     if len(set(digests)) > 1:
         described = replace(spec, payload=describe(mine).encode())
@@ -286,7 +310,7 @@ def _all_gather_rows(
     padded[: mine.shape[0]] = mine
     everyone = mine.new_empty((world_size * longest, *rest))
     if everyone.numel():
-        dist.all_gather_single(everyone.view(-1), padded.view(-1), group=group)
+        _side_all_gather(group, everyone, padded, world_size)
     return [everyone[r * longest : r * longest + rows[r]] for r in range(world_size)], ""
 
 
@@ -331,5 +355,5 @@ def exchange_fingerprints(group: Any, encoded: bytes, world_size: int) -> list[b
     raw = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     size = raw.numel()
     everyone = torch.empty(world_size * size, dtype=torch.uint8)
-    dist.all_gather_single(everyone, raw, group=group)
+    _side_all_gather(group, everyone, raw, world_size)
     return [tensor_bytes(everyone[r * size : (r + 1) * size]) for r in range(world_size)]

@@ -267,14 +267,15 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
         {"setup": "session", "threads": 9, "added": 7, "cpu": 0.0046},
         {"setup": "+ 1 channel", "threads": 12, "added": 10, "cpu": 0.0047},
         {"setup": "+ 4 channels", "threads": 21, "added": 19, "cpu": 0.0048},
+        {"setup": "+ 1st object collective", "threads": 24, "added": 22, "cpu": 0.0050},
         {"setup": "one raw new_group", "threads": None, "added": 3},
         {"setup": "+ 4 channels, debug", "threads": 60, "added": 58, "cpu": 0.0246},
     ]
     title, columns, rows, _ = benchmarks.threads.summarize(at_rest, 4)
     tables["threads"] = common.table(title, columns, rows)
 
-    entry = {"raw": [0.0412], "session": [0.1234], "init": [0.0407], "side": [0.0398]}
-    entry |= {"rest": [0.0429]}
+    entry = {"raw": [0.0412], "session": [0.1234], "init": [0.0407], "rest": [0.0429]}
+    entry |= {"first_object": [0.0398], "object": [0.0031]}
     entry |= {"root": [0.0021], "barrier": [0.0134]}
     burst = {
         str(n): {"raw_issue": [1.2e-5], "raw_all": [1.2345e-3], "ad_issue": [9.9e-5]}
