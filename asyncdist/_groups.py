@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -107,7 +108,10 @@ Ownership = Literal["world", "group", "adopted"]
 # -- loopback ------------------------------------------------------------------------------
 
 
+@functools.cache
 def _loopback_interface() -> str | None:
+    """The loopback interface's name (looked up once: a syscall per session
+    entry otherwise, and the loopback interface does not come and go)."""
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in ("lo", "lo0") if n in names), None)
 
