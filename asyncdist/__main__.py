@@ -1,4 +1,4 @@
-"""The asyncdist command: demo, info and bench.
+"""The asyncdist command: demo, info, bench and coordinator.
 
 Plain text on purpose: this docstring is ``asyncdist --help``'s description.
 """
@@ -158,6 +158,20 @@ def _bench(args: argparse.Namespace) -> int:
     return int(run_all.run(args))
 
 
+def _coordinator(args: argparse.Namespace) -> int:
+    from ._coordinator import serve
+
+    where = f"{args.host or '*'}:{args.port}"
+    try:
+        print(f"asyncdist coordinator on {where}", flush=True)
+        why = serve(args.host, args.port, args.timeout)
+    except RuntimeError as exc:  # the port is taken, or the address is not this host's
+        print(f"asyncdist coordinator: cannot listen on {where}: {exc}", file=sys.stderr)
+        return 1
+    print(f"asyncdist coordinator on {where}: done ({why})", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncdist", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--version", action="version", version=f"asyncdist {__version__}")
@@ -181,6 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_bench_arguments(bench)
     bench.set_defaults(run=_bench)
+
+    coordinator = commands.add_parser(
+        "coordinator",
+        help="host an elastic session's coordinator until the session is over",
+        description="Host the coordinator store of an elastic session (DistSession(elastic=True)) "
+        "in this process, which must outlive the ranks; start them with "
+        "ASYNCDIST_COORDINATOR=host:port. Exits once every member left, or once no member's "
+        "heartbeat moved for twice the timeout. A SLURM step's task 0 starts one by itself.",
+    )
+    coordinator.add_argument("--port", type=int, required=True, help="the port to listen on")
+    coordinator.add_argument(
+        "--host", default="", help="the address to listen on (default: every interface)"
+    )
+    coordinator.add_argument(
+        "--timeout", type=float, default=1800.0, help="the session's timeout, s (default 1800)"
+    )
+    coordinator.set_defaults(run=_coordinator)
 
     args = parser.parse_args(argv)
     return int(args.run(args))

@@ -2,8 +2,10 @@
 that outlives every rank.
 
 The coordinator is a ``TCPStore`` hosted by a process that is not a rank:
-``spawn``'s parent, torchrun's node-0 agent (static rendezvous), or one
-hosted by hand, named by ``ASYNCDIST_COORDINATOR=host:port``. It
+``spawn``'s parent, torchrun's node-0 agent (static rendezvous), a sidecar
+a SLURM step's task 0 starts on the step's master address and port
+(``_coordinator``), or one hosted by hand (``asyncdist coordinator``), named
+by ``ASYNCDIST_COORDINATOR=host:port``. It
 is linearizable, so one ``compare_set`` from ``""`` is a decision nobody can
 overwrite: there is no consensus among the ranks themselves, and a side cut
 off from the store decides nothing. Keys, under ``ROOT``:
@@ -55,13 +57,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._coordinator import ROOT, start_sidecar
 from ._env import detect, is_loopback
 from ._groups import form_generation
 from .errors import InitError, MembershipLost
 
 logger = logging.getLogger("asyncdist")
 
-ROOT = "asyncdist/elastic"  # a PrefixStore puts "/" after it
 COORDINATOR_ENV = "ASYNCDIST_COORDINATOR"
 JOIN_ENV = "ASYNCDIST_ELASTIC_JOIN"  # "1": this process joins a running session
 HEARTBEAT = 0.25  # seconds between a member's beats (and its look at the reform key)
@@ -545,6 +547,7 @@ class Membership:
         self._address: tuple[str, int] | None = None
         self._timeout = 0.0
         self._loopback = False
+        self._sidecar: Any = None  # a SLURM step's coordinator, which task 0 started
 
     @property
     def coordinator(self) -> Coordinator:
@@ -558,12 +561,34 @@ class Membership:
             InitError: no coordinator, or world 0 did not form.
         """
         address = coordinator_address()
+        joins = joining()
         if address is None:
-            raise InitError(
-                "DistSession(elastic=True) needs a coordinator that outlives the ranks, named by "
-                f"{COORDINATOR_ENV}=host:port; launch with asyncdist.spawn(fn, n, elastic=True) "
-                "(or `asyncdist run --elastic`), which hosts one"
+            launch = detect(
+                rank=wanted.rank,
+                world_size=wanted.world_size,
+                master_addr=wanted.master_addr,
+                master_port=wanted.master_port,
             )
+            if launch.launcher != "slurm" or launch.master_port is None:
+                raise InitError(
+                    "DistSession(elastic=True) needs a coordinator that outlives the ranks: "
+                    "launch with asyncdist.spawn(fn, n, elastic=True), under torchrun with "
+                    "its static rendezvous (--master-addr/--master-port), or with srun; or "
+                    "host one with `asyncdist coordinator --port P` and name it by "
+                    f"{COORDINATOR_ENV}=host:port"
+                )
+            # a SLURM step: task 0 hosts it on the master's address and port
+            address = (launch.master_addr, launch.master_port)
+            if launch.rank == 0 and not joins:
+                self._sidecar = start_sidecar(launch.master_port, wanted.timeout)
+                logger.info(
+                    "asyncdist: the elastic coordinator of this SLURM step is at %s:%d "
+                    "(a replacement joins with %s=%s:%d %s=1)",
+                    *address,
+                    COORDINATOR_ENV,
+                    *address,
+                    JOIN_ENV,
+                )
         # the coordinator stands in for the master: no MASTER_PORT needed
         env = detect(
             rank=wanted.rank,
@@ -573,7 +598,6 @@ class Membership:
         )
         self._address, self._timeout = address, wanted.timeout
         self._loopback = is_loopback(address[0])
-        joins = joining()
         try:
             self._coordinator = Coordinator(
                 connect(address, wanted.timeout), self.me, wanted.timeout

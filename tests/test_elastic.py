@@ -299,8 +299,10 @@ def test_an_elastic_session_without_a_coordinator_says_how_to_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("ASYNCDIST_COORDINATOR", raising=False)
-    with pytest.raises(InitError, match=r"spawn\(fn, n, elastic=True\)"):
+    with pytest.raises(InitError, match=r"spawn\(fn, n, elastic=True\)") as info:
         DistSession(elastic=True).__enter__()
+    assert "srun" in str(info.value)
+    assert "`asyncdist coordinator --port P`" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -744,13 +746,11 @@ def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
     with TwoHosts() as hosts:
         try:
             port = hosts.free_port(0)
-            serve = (
-                "import datetime, time, torch.distributed as dist; "
-                f"s = dist.TCPStore({hosts.addr[0]!r}, {port}, is_master=True, "
-                "wait_for_workers=False, timeout=datetime.timedelta(seconds=60)); time.sleep(300)"
-            )
-            procs.append(subprocess.Popen(hosts.command(0, [sys.executable, "-c", serve])))
-            time.sleep(1.0)  # the coordinator listens
+            # the guide's way to host one by hand
+            serve = ["-m", "asyncdist", "coordinator", "--host", hosts.addr[0]]
+            serve += ["--port", str(port), "--timeout", "60"]
+            procs.append(subprocess.Popen(hosts.command(0, [sys.executable, *serve])))
+            time.sleep(1.0)  # the coordinator listens (the ranks' clients retry meanwhile)
             for rank, host in enumerate((0, 0, 1)):
                 env = hosts.env(
                     host,

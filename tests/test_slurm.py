@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,3 +178,73 @@ def test_task_exiting_early_fails_its_peers_and_the_job(
     state = cluster.job_state(int(str(reports[0]["job_id"])))
     assert state["JobState"] == "FAILED"
     assert state["ExitCode"] == "3:0"
+
+
+ELASTIC_JOB = Path(__file__).resolve().parent / "elastic_slurm_job.py"
+
+
+def _coordinators(cluster: SlurmCluster) -> list[int]:
+    """The cluster's processes running ``asyncdist coordinator``."""
+    found = []
+    for pid in leftovers(cluster.dir):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"asyncdist" in argv and b"coordinator" in argv:
+            found.append(pid)
+    return found
+
+
+def _elastic_reference() -> list[list[float]]:
+    """elastic_slurm_job.py's parameters, replayed in one process: steps 0-4
+    on two ranks (the mean of their gradients), then, from the commit after
+    step 4, steps 5-19 on one."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(20):
+        world = 2 if step < 5 else 1
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(world):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            model.zero_grad()
+            model(torch.randn(4, 6, generator=g)).sum().backward()
+            for total, p in zip(grads, model.parameters(), strict=True):
+                assert p.grad is not None
+                total += p.grad / world
+        for total, p in zip(grads, model.parameters(), strict=True):
+            p.grad = total
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_an_elastic_step_goes_on_when_a_task_is_killed(
+    cluster: SlurmCluster, tmp_path: Path, victim: int
+) -> None:
+    """docs/guides/elastic.md's srun line: task ``victim`` SIGKILLs itself at
+    step 5. The other task goes on alone in the same process, from the last
+    commit, to the end; task 0 (the victim or not) hosted the coordinator in
+    a sidecar that outlives it, and that sidecar exits by itself once the
+    session is over."""
+    argv = ["srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=0", "python", str(ELASTIC_JOB)]
+    done = _submit(cluster, tmp_path, [*argv, str(victim)])
+    assert f"task {victim}: Killed" in done.stderr, done.stderr[-3000:]
+    survivor = 1 - victim
+    assert sorted(p.name for p in tmp_path.glob("done.*.json")) == [f"done.{survivor}.json"]
+    report = json.loads((tmp_path / f"done.{survivor}.json").read_text())
+    # world 0: both tasks; world 1: the survivor alone, from the commit of step 5
+    assert report["worlds"] == [[0, survivor, 2, 0], [1, 0, 1, 5]]
+    # the sidecar task 0 started still ran at the end, task 0 dead or not (the
+    # two nodes share one /proc here, so the survivor sees it either way)
+    assert report["sidecar"] is True
+    want = _elastic_reference()
+    for got, ref in zip(report["params"], want, strict=True):
+        assert got == pytest.approx(ref, abs=1e-6)
+    deadline = time.monotonic() + 20
+    while _coordinators(cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _coordinators(cluster), "the coordinator sidecar outlived its session"
