@@ -13,12 +13,23 @@ Every lane records how it holds its group (``Ownership``) and gives its
 groups back through ``destroy``.
 
 Naming. torch names a group formed with ``use_local_synchronization=True``
-by ``len(_world.pg_names)``, a per-process count of the groups formed so
-far: ranks that form groups in different orders give them different names
-and never meet. So every torch group is formed eagerly, in program order, on
-every member (a session's entry, ``split``, the first ``channel(name)``). The
-default group's name comes from another per-process counter that only
-``destroy_process_group()`` resets (``name_groups_afresh``).
+by a hash of its ranks and ``len(_world.pg_names)``, the number of groups
+alive in the process: ranks that form groups in different orders give them
+different names and never meet. So every torch group is formed eagerly, in
+program order, on every member (a session's entry, ``split``, the first
+``channel(name)``). Other groups, and the default group, are named by a
+per-process counter that only ``destroy_process_group()`` resets
+(``name_groups_afresh``).
+
+A name is also where a group's keys live in the default group's store, and
+that store can outlive the group (an adopted default group's, across the
+sessions that adopt it). The hashed name repeats once an earlier group over
+the same ranks is destroyed, and the new group would then read the dead
+one's addresses. So a channel over the whole world is formed without local
+synchronization (every rank is a member anyway) and takes the counter's
+name, which never repeats while the world lives. A sub-session's channel
+must use the hash; re-forming one over the same block after its sub-session
+closed, on a store that outlives it, is the case left open.
 
 Side groups are not torch groups, so torch's naming does not reach them: a
 ``SideGroup`` is a ``ProcessGroupGloo`` built directly on the default
@@ -501,6 +512,11 @@ def form_blocks(
 def form_channel(ranks: Sequence[int], *, timeout: float, loopback: bool) -> Any:
     """A group over ``ranks`` (the default group's backends), formed by them alone.
 
+    Over the whole world it is named by torch's group counter, which never
+    repeats while the default group lives; over part of it (a sub-session's
+    block), by a hash of the ranks and the number of live groups, as torch
+    names a group the other ranks do not form (see the module docstring).
+
     Raises:
         RuntimeError: a peer did not join in time.
     """
@@ -508,7 +524,7 @@ def form_channel(ranks: Sequence[int], *, timeout: float, loopback: bool) -> Any
         return dist.new_group(
             list(ranks),
             timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=True,
+            use_local_synchronization=len(ranks) != dist.get_world_size(),
         )
 
 

@@ -62,21 +62,28 @@ def test_first_object_collectives_meet_in_any_order_across_lanes() -> None:
 
 def _adopted_sessions(s: DistSession) -> list[Any]:
     """Sessions that adopt the default group one after another share its
-    store: each one's side groups must key apart from the others'."""
+    store: each one's side groups and channels must key apart from the
+    others'."""
     got = [s.all_gather_object(("outer", s.rank)).wait()]
     for i in range(3):
         with DistSession(timeout=10) as inner:
             if inner.rank == 1:  # rank 0 forms first: it must not read the keys of one before
                 time.sleep(0.5)
             got.append(inner.all_gather_object((i, inner.rank)).wait())
+            # a channel of each: over the whole world, its torch group is named
+            # by a counter, not by its ranks, so it never reads the keys of the
+            # one before (which a hash of the ranks would name alike)
+            if inner.rank == 1:  # rank 0 forms it first, as above
+                time.sleep(0.5)
+            got.append(inner.channel("c").all_gather_object(i).wait())
     got.append(s.all_gather_object(("outer", s.rank)).wait())
     return got
 
 
-def test_sessions_adopting_one_default_group_one_after_another_exchange_objects() -> None:
+def test_sessions_adopting_one_default_group_one_after_another_keep_their_groups_apart() -> None:
     want = [[("outer", 0), ("outer", 1)]]
     for i in range(3):
-        want.append([(i, 0), (i, 1)])
+        want += [[(i, 0), (i, 1)], [i, i]]
     want.append([("outer", 0), ("outer", 1)])
     assert spawn(_adopted_sessions, 2, timeout=60) == [want, want]
 
