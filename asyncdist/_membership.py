@@ -102,13 +102,21 @@ def coordinator_address() -> tuple[str, int] | None:
     return host, int(port)
 
 
+_RESTARTED_TOGETHER = (
+    " torchrun restarts every worker of a node at once, so on one node none is left "
+    "holding the state: launch with asyncdist.spawn(fn, n, elastic=True) on one machine"
+)
+
+
+def _restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 def joining() -> bool:
     """Whether this process joins a running session: asked to
     (``ASYNCDIST_ELASTIC_JOIN=1``), or restarted by torchrun (its agent
     restarted this node's workers; the other nodes' went on)."""
-    if os.environ.get(JOIN_ENV) == "1":
-        return True
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return os.environ.get(JOIN_ENV) == "1" or _restarted_by_torchrun()
 
 
 def connect(address: tuple[str, int], timeout: float) -> dist.Store:
@@ -276,14 +284,23 @@ class Coordinator:
         number = int(self.store.add("joins", 1))
         self.create(f"join/{number}", self.me)
         deadline = time.monotonic() + self.timeout + REFORM_GRACE
+        beats: dict[str, tuple[int, float]] = {}
         while time.monotonic() < deadline:
             self.store.add(f"hb/{self.me}", 1)  # until the watcher beats
             generation = int(self.store.add("generation", 0))
             key = f"gen/{generation}/world"
-            if generation > 0 and self.has(key):
-                decided = _decoded(generation, self.read(key))
-                if isinstance(decided, Decision) and self.me in decided.members:
-                    return decided, decided.members.index(self.me)
+            decided = _decoded(generation, self.read(key)) if self.has(key) else None
+            if generation > 0 and isinstance(decided, Decision) and self.me in decided.members:
+                return decided, decided.members.index(self.me)
+            members = self._members_of(generation, decided)
+            if members and self._gone(members, beats, time.monotonic()) >= set(members):
+                raise MembershipLost(
+                    f"this process ({self.me}) registered to join the elastic session, but "
+                    f"every member of its last world ({len(members)}) is gone, and the "
+                    "committed state was only in their memory: nobody is left to take it "
+                    f"in.{_RESTARTED_TOGETHER if _restarted_by_torchrun() else ''}",
+                    why="too_few",
+                )
             time.sleep(POLL * 5)
         raise MembershipLost(
             f"this process ({self.me}) registered to join the elastic session, but no world "
@@ -292,6 +309,16 @@ class Coordinator:
             "they are running",
             why="timeout",
         )
+
+    def _members_of(
+        self, generation: int, decided: Decision | MembershipLost | None
+    ) -> tuple[str, ...]:
+        """World ``generation``'s members, as far as the store says yet."""
+        if isinstance(decided, Decision):
+            return decided.members
+        if generation == 0:
+            return tuple(self.read(k) for k in self.store.list_keys() if k.startswith("rank/"))
+        return ()
 
     def joiners(self, members: Sequence[str] = ()) -> list[str]:
         """The joiners registered and not yet taken in, in order: neither

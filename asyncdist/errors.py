@@ -132,10 +132,11 @@ class MembershipChanged(CollectiveError):
 
 class MembershipLost(SessionBroken):
     """Raised when an elastic session cannot form its next world: fewer
-    ranks than ``min_world_size`` are left, the survivors are not a strict
-    majority of the last world (the other side of a partition may go on), this
-    rank was left out of the new world, or the re-forming did not finish
-    within the session timeout. The message names which, and who is gone.
+    ranks than ``min_world_size`` are left (for a joiner: none is left to
+    take it in), the survivors are not a strict majority of the last world
+    (the other side of a partition may go on), this rank was left out of the
+    new world, or the re-forming did not finish within the session timeout.
+    The message names which, and who is gone.
 
     Attributes:
         why: ``"too_few"``, ``"no_majority"``, ``"evicted"``, ``"timeout"``

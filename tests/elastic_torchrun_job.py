@@ -1,10 +1,14 @@
-"""The job tests/test_elastic.py runs under torchrun on two namespace "hosts",
-one worker per node, static rendezvous (node 0's agent hosts the store).
+"""The job tests/test_elastic.py runs under torchrun, static rendezvous (node
+0's agent hosts the store): on two namespace "hosts", one worker per node,
+or on one node with two.
 
-Node 1's worker SIGKILLs itself at step 5 of its first attempt; its agent
-restarts it (``--max-restarts 1``) and the new worker joins the running
-session. Each worker writes ``done.<node>.<attempt>.json`` to
-``$ASYNCDIST_OUT``: the worlds it saw and its parameters.
+The worker named by ``$ASYNCDIST_VICTIM`` (``node:local rank``, default
+``1:0``) SIGKILLs itself at step 5 of its first attempt; its agent restarts
+its node's workers (``--max-restarts 1``), which join the running session.
+Each worker writes ``done.<node>.<attempt>.json`` to ``$ASYNCDIST_OUT``: the
+worlds it saw and its parameters; or, if its session ended with
+``MembershipLost``, ``lost.<node>.<local rank>.<attempt>.json``: its ``why``,
+message and how long after start.
 """
 
 from __future__ import annotations
@@ -12,17 +16,30 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import anyio
 import torch
 
-from asyncdist import DistSession
+from asyncdist import DistSession, MembershipLost
 
 
 async def main() -> None:
     out = os.environ["ASYNCDIST_OUT"]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    node = int(os.environ["GROUP_RANK"])
+    node, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    victim = os.environ.get("ASYNCDIST_VICTIM", "1:0") == f"{node}:{local}"
+    started = time.monotonic()
+    try:
+        await train(out, node, attempt, victim)
+    except MembershipLost as exc:
+        elapsed = time.monotonic() - started
+        record = {"why": exc.why, "message": str(exc), "elapsed": elapsed}
+        _write(os.path.join(out, f"lost.{node}.{local}.{attempt}.json"), record)
+        raise
+
+
+async def train(out: str, node: int, attempt: int, victim: bool) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1)
@@ -35,7 +52,7 @@ async def main() -> None:
             worlds.append([world.generation, world.rank, world.world_size, state.step])
             async with world:
                 while state.step < 40 or world.world_size < 2:
-                    if node == 1 and attempt == 0 and state.step == 5:
+                    if victim and attempt == 0 and state.step == 5:
                         os.kill(os.getpid(), signal.SIGKILL)
                     g = torch.Generator().manual_seed(1000 * state.step + world.rank)
                     opt.zero_grad()

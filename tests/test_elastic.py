@@ -835,3 +835,46 @@ def test_under_torchrun_the_other_node_goes_on_and_the_restarted_worker_joins(
     assert last[1:3] == [0, 2]
     assert joiner["worlds"] == [[last[0], 1, 2, last[3]]]
     assert survivor["params"] == joiner["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_under_torchrun_on_one_node_the_restarted_workers_are_told_nobody_holds_the_state(
+    tmp_path: Any,
+) -> None:
+    """One node, two workers: one dies, and torchrun's agent restarts both,
+    so no worker kept the committed state. The restarted workers, joiners
+    with nobody alive to take them in, end with MembershipLost naming the
+    cause and what to launch instead, within the timeout (not hanging), and
+    torchrun ends once its restarts are spent: the guide's documented case."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _ports import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    job = str(Path(__file__).resolve().parent / "elastic_torchrun_job.py")
+    argv = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2"),
+        *("--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=1"),
+        *("--monitor-interval=0.5", job),
+    ]
+    env = {**os.environ, "ASYNCDIST_OUT": str(tmp_path), "PYTHONPATH": str(root)}
+    env["ASYNCDIST_VICTIM"] = "0:1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.pop("ASYNCDIST_COORDINATOR", None)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0, "torchrun must report the failed job"
+    assert not list(tmp_path.glob("done.*.json")), "no worker can have finished"
+    lost = sorted(tmp_path.glob("lost.*.json"))
+    assert [p.name for p in lost] == ["lost.0.0.1.json", "lost.0.1.1.json"], done.stderr[-3000:]
+    for path in lost:
+        record = json.loads(path.read_text())
+        assert record["why"] == "too_few"
+        assert "every member of its last world (2) is gone" in record["message"]
+        assert "asyncdist.spawn(fn, n, elastic=True)" in record["message"]
+        # told once the dead workers' heartbeats stood still for the timeout (4 s)
+        assert record["elapsed"] < 4 + REFORM_GRACE + 10
