@@ -6,8 +6,8 @@ A session tree's groups, and who forms them:
   entry (or adopted, ``adopt_world``, when someone initialised it already);
 * a split's blocks (``form_blocks``) and a channel's group (``form_channel``);
 * side groups of a lane (``SideGroup``): one for object traffic, and in debug
-  mode one for fingerprints. Both gloo, over the lane's ranks, each formed at
-  its first use, on the completer thread that carries its traffic.
+  mode one for fingerprints. Both gloo, over the lane's ranks, formed with
+  the lane.
 
 Every lane records how it holds its group (``Ownership``) and gives its
 groups back through ``destroy``.
@@ -35,11 +35,12 @@ Side groups are not torch groups, so torch's naming does not reach them: a
 ``SideGroup`` is a ``ProcessGroupGloo`` built directly on the default
 group's store, under a prefix every member derives alike from its lane's
 torch group name (agreed, since that group formed in program order) and the
-session's ``side_namespace``. Nothing in it depends on when a rank forms it,
-so each forms at the lane's first object collective (or first debug
-agreement), when its members meet anyway, and a session that never sends an
-object never pays for a second rendezvous at entry. It is used only through
-its methods, blocking, on one completer thread (``_wire``'s exchanges).
+session's ``side_namespace``, with one worker thread (its exchanges run one
+at a time). It is formed with its lane, not at its first use: its open
+connections are how a peer's death fails an object collective at once,
+where forming it then would wait for a dead peer until the timeout. It is
+used only through its methods, blocking, on one completer thread
+(``_wire``'s exchanges).
 
 Loopback. gloo binds the address the host name resolves to (often a public
 one) unless ``GLOO_SOCKET_IFNAME`` names an interface, and it reads the
@@ -50,9 +51,10 @@ choose it: ``init_process_group(pg_options=...)`` and
 ``torch.distributed`` group. A local world (no master given, or a loopback
 master) therefore forms its torch gloo groups inside ``gloo_on_loopback``,
 which sets the variable for the forming only; it is asyncdist's one write to
-``os.environ``. A side group, not being a torch group, names its device
-itself (the loopback interface, or the interfaces the variable named when
-its lane was made), and so never reads the variable on a completer thread.
+``os.environ``. A side group, not being a torch group, takes its lane's
+gloo devices, or names its own (the loopback interface, or the interfaces
+the variable named when its lane was made) where the lane has no gloo
+backend.
 
 Teardown order. gloo runs a future's callbacks on its worker thread while
 that thread still holds the work; if a waiter wakes and the group is
@@ -386,11 +388,12 @@ def global_ranks(group: Any, world_size: int) -> list[int]:
 
 class SideGroup:
     """A gloo group over a lane's members for one kind of side traffic
-    (``kind``: "objects" or "debug"), formed at its first use (see the
-    module docstring for why that is safe, and how it is named).
+    (``kind``: "objects" or "debug"), formed by ``group()`` when its lane is
+    made, in program order (see the module docstring for how it is named).
 
-    ``group()`` is called on one completer thread only; ``close()`` on the
-    lane's closing thread, after that thread was joined (or given up on).
+    ``group()`` runs on the thread making the lane, then on one completer
+    thread; ``close()`` on the lane's closing thread, after that thread was
+    joined (or given up on).
     """
 
     def __init__(
@@ -407,7 +410,10 @@ class SideGroup:
         self.kind = kind
         self._prefix = f"{namespace}/{lane_group.group_name}/{kind}"
         self._rank, self._world_size, self._timeout = rank, world_size, timeout
-        self._interfaces = _side_interfaces(loopback)
+        # the lane's own gloo devices (its TCP loop, its interface), where it
+        # has a gloo backend; else devices of its own, named as below
+        self._devices = _gloo_devices(lane_group)
+        self._interfaces = [] if self._devices else _side_interfaces(loopback)
         self._lock = threading.Lock()
         self._group: Any = None
         self._closed = False
@@ -417,7 +423,8 @@ class SideGroup:
         until every member formed it, up to the timeout).
 
         Raises:
-            RuntimeError: it is closed, or a member did not join in time.
+            RuntimeError: it is closed, or did not form (a member did not
+                join in time).
         """
         with self._lock:
             if self._closed:
@@ -433,9 +440,10 @@ class SideGroup:
 
     def _form(self) -> Any:
         gloo = dist.ProcessGroupGloo
-        if self._interfaces:
+        devices = self._devices
+        if not devices and self._interfaces:
             devices = [gloo.create_device(interface=name) for name in self._interfaces]
-        else:
+        elif not devices:
             devices = [gloo.create_default_device()]
         # torch's options type and fields are private; the public constructor
         # would choose the devices from the environment (see the docstring)
@@ -443,17 +451,26 @@ class SideGroup:
         options._devices = devices
         options._threads = 1  # its exchanges run one at a time, on one thread
         options._timeout = datetime.timedelta(seconds=self._timeout)
-        # A client of its own: a TCPStore client serves one request at a time
-        # and holds it through a wait, so lanes forming side groups at once on
-        # one client would each hold up the key the other's peers wait for.
-        store = distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
-        return gloo(dist.PrefixStore(self._prefix, store), self._rank, self._world_size, options)
+        store = dist.PrefixStore(self._prefix, distributed_c10d._get_default_store())
+        return gloo(store, self._rank, self._world_size, options)
 
     def close(self) -> None:
         """Let go of the group (formed or not); ``group()`` raises from now on."""
         with self._lock:
             self._closed = True
             self._group = None
+
+
+def _gloo_devices(group: Any) -> list[Any]:
+    """The network devices of ``group``'s gloo backend (none without one)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):
+        return []
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return []
+    options = backend.options
+    return list(options._devices)  # type: ignore[attr-defined]
 
 
 def _side_interfaces(loopback: bool) -> list[str]:

@@ -3,8 +3,8 @@
 Collectives pair up across ranks by issue order *per lane*. A session's
 root lane, each channel's and each split's are lanes, and "lane" means that
 and nothing else in asyncdist. A ``Lane`` holds what the stream needs: its
-group and side groups (object traffic, debug fingerprints; ``_groups``
-forms them at their first use), its routes by device type, the issuer guard
+group and side groups (object traffic, debug fingerprints; formed in
+``_groups``), its routes by device type, the issuer guard
 (two tasks issuing at once on one lane are refused before launch), its
 outstanding operations (``_op.Op``), its lazy completer threads, its
 sub-lanes, its leave notices, and the session tree's shared record
@@ -103,7 +103,6 @@ class Lane:
         self._owns = owns
         self._parent = parent
         self._children: list[Lane] = []
-        # formed at first use, on the completer thread that carries their traffic
         if parent is not None:
             namespace = parent.namespace
         self.namespace: str = namespace  # the store prefix of its side groups
@@ -162,6 +161,25 @@ class Lane:
         """The default group's ranks of this lane's members, by lane rank."""
         return _groups.global_ranks(self.group, self.world_size)
 
+    def form_side_groups(self) -> None:
+        """Form the side groups now, while waiting for peers is expected (the
+        session's entry, ``split`` and ``channel`` run off the event loop in
+        async code), not inside the first object collective: their open
+        connections are how a peer's death fails an object collective at
+        once, where forming them then would wait for a dead peer until the
+        timeout.
+
+        Every lane, each channel included, keeps its own objects group:
+        object collectives are two steps (sizes, then payload) run on a
+        completer thread, which on the lane's own group would interleave with
+        the collectives issued meanwhile.
+
+        Raises:
+            RuntimeError: a peer did not join in time.
+        """
+        for side in self._side.values():
+            side.group()
+
     def split(self, group_size: int) -> Lane:
         """A lane over this rank's block of ``group_size`` consecutive ranks,
         sharing this lane's health (a fault anywhere breaks the whole job).
@@ -190,7 +208,7 @@ class Lane:
             members = ranks[mine * group_size : (mine + 1) * group_size]
             notices = self._notices.child(f"split{self._splits}", members, label)
         self._splits += 1
-        return self._child(own, self.rank % group_size, group_size, label, notices)
+        return self._child(own, self.rank % group_size, group_size, "split", label, notices)
 
     def channel(self, name: str) -> Lane:
         """A lane over the same ranks with groups of its own (its collectives
@@ -214,13 +232,14 @@ class Lane:
         notices = None
         if self._notices is not None:
             notices = self._notices.child(f"channel:{name}", self.global_ranks, label)
-        return self._child(group, self.rank, self.world_size, label, notices)
+        return self._child(group, self.rank, self.world_size, "channel", label, notices)
 
     def _child(
         self,
         group: Any,
         rank: int,
         world_size: int,
+        op: str,
         label: str,
         notices: LeaveNotices | None = None,
     ) -> Lane:
@@ -235,6 +254,11 @@ class Lane:
             notices=notices,
         )
         self._children.append(child)
+        try:
+            child.form_side_groups()
+        except RuntimeError as exc:
+            child.close()
+            raise self.health.fail(exc, op=op) from exc
         return child
 
     # -- routing -------------------------------------------------------------------

@@ -282,6 +282,7 @@ class DistSession(Collectives):
         self._state = State.OPEN
         joined = None if self._membership is None else self._membership.joined
         try:
+            comm.form_side_groups()
             if joined is not None:  # a joiner: the channels its world has, in its order
                 self._channels.reform(joined.channels, comm.channel)
             for name in self._requested_channels:
@@ -289,8 +290,8 @@ class DistSession(Collectives):
         except (RuntimeError, OSError) as exc:
             self._teardown()
             raise InitError(
-                f"rank {comm.rank} of {comm.world_size}: the group formed, but its "
-                f"channels did not within {self._timeout:g} s ({exc}). Check that "
+                f"rank {comm.rank} of {comm.world_size}: the group formed, but its side "
+                f"groups or channels did not within {self._timeout:g} s ({exc}). Check that "
                 "every rank is still running and declares the same channels."
             ) from exc
 
@@ -706,12 +707,13 @@ class DistSession(Collectives):
             old, self._lane = self._lane, lane
             lane.tracer = None if old is None else old.tracer
             try:
+                lane.form_side_groups()
                 self._channels.reform(decision.channels, lane.channel)
                 regenerate(self._syncs)
                 restored = self._share_state(state)
             except RuntimeError as exc:
-                # a member failed while this world formed (its channels, or
-                # the state's broadcast, which forms the objects side group): once more
+                # a member failed while this world formed (a raw backend error
+                # from forming its side groups, or a translated one): once more
                 if isinstance(exc, AsyncDistError) and not self._ends_world(exc):
                     raise
                 error = exc

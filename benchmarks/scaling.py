@@ -9,9 +9,9 @@ side by side in the same processes, in alternating order (medians).
   raw ``init_process_group(store=...)`` plus a first ``barrier`` on a store
   rank 0 hosts; each round destroys the group again. The session's own
   ``init_process_group`` is timed inside it. After the barrier, not in the
-  entry: the session's first ``broadcast_object`` (which forms its objects
-  side group) and a second one. Each round starts on every rank at once (a
-  store barrier); a round's time is its slowest rank's.
+  entry: the session's first ``broadcast_object`` and a second one. Each
+  round starts on every rank at once (a store barrier); a round's time is
+  its slowest rank's.
 * burst: N allreduces of ``torch.ones(1)`` (a tensor of its own each: no two
   in-flight ops share memory), all issued, then all waited: asyncdist
   ``s.allreduce(t)`` then ``wait_all(hs).wait()``, raw

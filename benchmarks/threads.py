@@ -2,8 +2,7 @@
 
 Two local gloo ranks. Per process (rank 0's figures; the ranks are alike):
 the threads of the process and its CPU use while nothing is issued, for a
-session, with 1 and 4 channels, after the session's first object collective
-(which forms its objects side group), and with debug mode; beside them one raw
+session, with 1 and 4 channels, and with debug mode; beside them one raw
 ``torch.distributed.new_group`` (what a channel's own group costs in torch
 itself: gloo's two worker threads and its TCP loop).
 
@@ -68,9 +67,6 @@ def _rank(session: Any, idle: float, channels: int) -> list[dict[str, Any]]:
                     formed += 1
                 _measure(f"+ {formed} channel{'s' if formed > 1 else ''}{mode}", idle, rows, base)
             if not debug:
-                # the session's objects side group forms at its first object collective
-                s.broadcast_object(0).wait()
-                _measure("+ 1st object collective", idle, rows, base)
                 before = threads()
                 group = dist.new_group(
                     list(range(s.world_size)),

@@ -38,14 +38,16 @@ OUTSIDE_PRIVATES = {
     # LeaveNotices.for_world: the default group's store, which torch does not
     # expose publicly, carries the leave notices
     ("asyncdist._store", "dist.distributed_c10d._get_default_store"),
-    # SideGroup._form: a side group is a ProcessGroupGloo built on the default
-    # group's store with the devices it names itself; torch's options type,
-    # its fields and that store have no public spelling
+    # SideGroup: a side group is a ProcessGroupGloo built on the default
+    # group's store with its lane's gloo devices (or ones it names itself);
+    # torch's options type, its fields, a group's backend and that store
+    # have no public spelling
     ("asyncdist._groups", "gloo._Options"),
     ("asyncdist._groups", "options._devices"),
     ("asyncdist._groups", "options._threads"),
     ("asyncdist._groups", "options._timeout"),
     ("asyncdist._groups", "distributed_c10d._get_default_store"),
+    ("asyncdist._groups", "group._get_backend"),
     # issuer_key, on every launch: asyncio's running loop or None, without the
     # exception the public get_running_loop raises in plain code (listed in
     # asyncio.events.__all__)

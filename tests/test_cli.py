@@ -267,7 +267,6 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
         {"setup": "session", "threads": 9, "added": 7, "cpu": 0.0046},
         {"setup": "+ 1 channel", "threads": 12, "added": 10, "cpu": 0.0047},
         {"setup": "+ 4 channels", "threads": 21, "added": 19, "cpu": 0.0048},
-        {"setup": "+ 1st object collective", "threads": 24, "added": 22, "cpu": 0.0050},
         {"setup": "one raw new_group", "threads": None, "added": 3},
         {"setup": "+ 4 channels, debug", "threads": 60, "added": 58, "cpu": 0.0246},
     ]

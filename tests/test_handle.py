@@ -231,8 +231,7 @@ def test_awaiting_never_blocks_the_loop_nor_parks_threads(backend: str) -> None:
 
 async def _first_object_collective(session: DistSession) -> int:
     """The first object collective (gradient_sync's first step makes one) must
-    not block the loop while a peer is late: its side group forms then, on the
-    lane's completer thread, never on the loop."""
+    not block the loop while a peer is late: its side group formed at entry."""
     if session.rank == 1:
         await anyio.sleep(LATE)
     ticks = 0

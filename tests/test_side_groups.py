@@ -1,52 +1,52 @@
-"""Side groups: each lane's objects group forms at its first object
-collective, never at entry, and its members meet whatever they did before."""
+"""Side groups: each lane's objects group is a gloo group of asyncdist's own,
+formed with the lane, keyed apart from every other lane's and session's."""
 
 from __future__ import annotations
 
+import json
 import os
-import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from asyncdist import DistSession, spawn
+from asyncdist import DistSession, PeerFailure, spawn
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def _native_threads() -> int:
-    """Threads of this process that Python did not start (gloo's)."""
-    return len(os.listdir("/proc/self/task")) - threading.active_count()
-
-
-def _entry_then_objects(s: DistSession) -> dict[str, int]:
+def _dead_before_objects(s: DistSession, out: str) -> None:
     s.barrier().wait()
-    at_entry = _native_threads()
-    s.allreduce(torch.ones(1)).wait()
-    after_tensors = _native_threads()
-    assert s.broadcast_object({"rank": s.rank}, src=1).wait() == {"rank": 1}
-    return {
-        "at_entry": at_entry,
-        "after_tensors": after_tensors,
-        "after_objects": _native_threads(),
-    }
+    if s.rank == 1:
+        os._exit(0)
+    time.sleep(0.3)  # rank 1 is gone
+    t0 = time.monotonic()
+    try:
+        s.broadcast_object({"step": 1}).wait()
+    except PeerFailure as exc:
+        record = {"elapsed": time.monotonic() - t0, "message": str(exc)}
+        Path(out).write_text(json.dumps(record))
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
-def test_the_objects_group_forms_at_the_first_object_collective_not_at_entry() -> None:
-    for counts in spawn(_entry_then_objects, 2, timeout=30):
-        assert counts["after_tensors"] == counts["at_entry"], counts
-        # its gloo worker and its device's loop: a group of its own, formed now
-        assert counts["after_objects"] >= counts["at_entry"] + 2, counts
+def test_a_peer_dead_before_the_first_object_collective_fails_it_at_once(
+    tmp_path: Path,
+) -> None:
+    """The objects group formed with the session, so its connections tell of
+    the death (formed at this first use, it would wait for the dead peer
+    until the timeout, 30 s here)."""
+    out = tmp_path / "rank0.json"
+    with pytest.raises(PeerFailure, match="rank 1 exited with code 0"):
+        spawn(_dead_before_objects, 2, args=(str(out),), timeout=30)
+    report = json.loads(out.read_text())
+    assert report["elapsed"] < 2.0, report
+    assert "broadcast_object" in report["message"]
 
 
 def _first_objects_in_opposite_orders(s: DistSession) -> list[Any]:
     """Rank 0 sends its first objects on a, b, then the session; rank 1 the
-    other way round. Each lane's group forms on its own completer thread, so
-    neither waits for the other's order (torch-named groups formed this way
-    would never meet)."""
+    other way round: each lane's objects travel on its own group and thread."""
     a, b = s.channel("a"), s.channel("b")
     lanes = [("a", a), ("b", b), ("session", s)]
     if s.rank == 1:
@@ -89,13 +89,13 @@ def test_sessions_adopting_one_default_group_one_after_another_keep_their_groups
 
 
 def _debug_and_objects(s: DistSession) -> list[Any]:
-    """Debug mode's fingerprint group forms at the first collective, on its
-    own thread, next to the objects group."""
+    """Debug mode's fingerprint group forms on its own thread, next to the
+    objects group."""
     t = torch.full((2,), float(s.rank))
     s.allreduce(t).wait()
     return [t.tolist(), s.gather_object(s.rank, dst=0).wait()]
 
 
-def test_debug_mode_forms_its_fingerprint_group_at_first_use() -> None:
+def test_debug_mode_agrees_on_its_own_side_group() -> None:
     got = spawn(_debug_and_objects, 2, timeout=30, debug=True)
     assert got == [[[1.0, 1.0], [0, 1]], [[1.0, 1.0], None]]
