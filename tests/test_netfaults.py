@@ -31,7 +31,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from asyncdist._progress import WATCHDOG_GRACE  # noqa: E402
 from asyncdist._store import NOTICE_TIMEOUT  # noqa: E402
 from tools.netns import TwoHosts, missing, missing_firewall  # noqa: E402
 
@@ -222,8 +221,11 @@ def _check(
             f"left {report['t_left'] - report['t_error']:.2f} s later"
         )
         assert elapsed <= timeout + GRACE, f"rank {rank}: {elapsed:.2f} s after the fault"
-        # leaving after the error returns at once: it waits for nothing more
-        assert report["t_left"] - report["t_error"] < WATCHDOG_GRACE, report
+        # leaving waits for nothing but the backend: where a peer's exit (not
+        # the timeout) ended the first collective, one still queued behind it
+        # (gloo runs two at a time) ends at its own timeout, and destroying
+        # the group waits for that
+        assert report["t_left"] - report["t_error"] < timeout + 1.0, report
         assert not report["initialized_after"], f"rank {rank} left the group initialised"
         # a rank cut off from the store may leave a notice read blocked until the heal
         cut_off = report["t_left"] - report["t_error"] >= NOTICE_TIMEOUT
