@@ -16,15 +16,12 @@ that time plus a minute for start-up. So it outlives no job.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import subprocess
 import sys
 import time
 
 import torch.distributed as dist
-
-logger = logging.getLogger("asyncdist")
 
 ROOT = "asyncdist/elastic"  # the elastic keys' prefix (a PrefixStore puts "/" after it)
 _POLL = 0.25  # seconds between the sidecar's looks at the heartbeats

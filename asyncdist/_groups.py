@@ -388,12 +388,12 @@ def global_ranks(group: Any, world_size: int) -> list[int]:
 
 class SideGroup:
     """A gloo group over a lane's members for one kind of side traffic
-    (``kind``: "objects" or "debug"), formed by ``group()`` when its lane is
+    (``kind``: "objects" or "debug"), formed by ``form()`` when its lane is
     made, in program order (see the module docstring for how it is named).
 
-    ``group()`` runs on the thread making the lane, then on one completer
-    thread; ``close()`` on the lane's closing thread, after that thread was
-    joined (or given up on).
+    ``form()`` runs on the thread making the lane; ``group()`` then on one
+    completer thread; ``close()`` on the lane's closing thread, after that
+    thread was joined (or given up on: it then finds the group closed).
     """
 
     def __init__(
@@ -414,31 +414,16 @@ class SideGroup:
         # has a gloo backend; else devices of its own, named as below
         self._devices = _gloo_devices(lane_group)
         self._interfaces = [] if self._devices else _side_interfaces(loopback)
-        self._lock = threading.Lock()
         self._group: Any = None
         self._closed = False
 
-    def group(self) -> Any:
-        """The ``ProcessGroupGloo``, formed now if it is not yet (blocking
-        until every member formed it, up to the timeout).
+    def form(self) -> None:
+        """Form the ``ProcessGroupGloo`` now, blocking until every member
+        formed it (up to the timeout).
 
         Raises:
-            RuntimeError: it is closed, or did not form (a member did not
-                join in time).
+            RuntimeError: a member did not join in time.
         """
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"the {self.kind} side group is closed")
-            if self._group is not None:
-                return self._group
-        formed = self._form()
-        with self._lock:
-            if not self._closed:
-                self._group = formed
-                return formed
-        raise RuntimeError(f"the {self.kind} side group closed while it formed")
-
-    def _form(self) -> Any:
         gloo = dist.ProcessGroupGloo
         devices = self._devices
         if not devices and self._interfaces:
@@ -452,13 +437,24 @@ class SideGroup:
         options._threads = 1  # its exchanges run one at a time, on one thread
         options._timeout = datetime.timedelta(seconds=self._timeout)
         store = dist.PrefixStore(self._prefix, distributed_c10d._get_default_store())
-        return gloo(store, self._rank, self._world_size, options)
+        self._group = gloo(store, self._rank, self._world_size, options)
+
+    def group(self) -> Any:
+        """The formed ``ProcessGroupGloo``.
+
+        Raises:
+            RuntimeError: it is closed (its lane was left), or never formed.
+        """
+        group = self._group
+        if group is None:
+            state = "closed" if self._closed else "not formed"
+            raise RuntimeError(f"the {self.kind} side group is {state}")
+        return group
 
     def close(self) -> None:
-        """Let go of the group (formed or not); ``group()`` raises from now on."""
-        with self._lock:
-            self._closed = True
-            self._group = None
+        """Let go of the group; ``group()`` raises from now on."""
+        self._closed = True
+        self._group = None
 
 
 def _gloo_devices(group: Any) -> list[Any]:

@@ -178,7 +178,7 @@ class Lane:
             RuntimeError: a peer did not join in time.
         """
         for side in self._side.values():
-            side.group()
+            side.form()
 
     def split(self, group_size: int) -> Lane:
         """A lane over this rank's block of ``group_size`` consecutive ranks,
