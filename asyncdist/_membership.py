@@ -34,6 +34,11 @@ every rank reads that at its next commit (a step, whose collectives need
 rank 0, lies between: the write is visible by then), ends the world there,
 and the re-forming takes the joiners in after the survivors.
 
+A world never grows past ``max_world_size``: rank 0 plans no end while the
+world is full, a re-forming takes in only the joiners that fit, in their
+order, and the others go on waiting (spares, taken in when a member dies),
+with no deadline while the world that keeps them out is alive.
+
 The rule (``decide``): the survivors that reported go on when they are a
 strict majority of world ``g``'s members not known to be gone (so two sides
 of a partition never both go on) and at least ``min_world_size``. The new
@@ -72,6 +77,29 @@ POLL = 0.02  # seconds between looks while re-forming
 # forming the groups); the proposer waits this long for a missing report.
 REFORM_GRACE = 5.0
 LEAVE_TIMEOUT = 2.0  # seconds a leaving member waits to tell the coordinator
+
+
+def check_world_sizes(elastic: bool, least: object, most: object) -> None:
+    """Refuse bad ``min_world_size``/``max_world_size`` arguments before
+    anything starts (a ``DistSession``'s or ``spawn``'s).
+
+    Raises:
+        TypeError: one is not an int (``most``: nor ``None``).
+        ValueError: out of range, or given for a session that is not elastic.
+    """
+    if isinstance(least, bool) or not isinstance(least, int):
+        raise TypeError(f"min_world_size must be an int, not {least!r}")
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int)):
+        raise TypeError(f"max_world_size must be an int or None, not {most!r}")
+    if least < 1:
+        raise ValueError(f"min_world_size must be at least 1, not {least}")
+    if most is not None and most < least:
+        raise ValueError(f"max_world_size={most} is below min_world_size={least}")
+    if not elastic and (least != 1 or most is not None):
+        raise ValueError(
+            "min_world_size and max_world_size bound the worlds of an elastic session: "
+            "pass elastic=True (a plain session's world is the launch's, and ends with it)"
+        )
 
 
 def member_id() -> str:
@@ -172,14 +200,18 @@ def decide(
     channels: Sequence[str],
     reason: str,
     joiners: Sequence[str] = (),
+    max_world_size: int | None = None,
 ) -> Decision | MembershipLost:
     """World ``generation``'s members, from world ``generation - 1``'s
     ``members`` (in rank order), the survivors' ``reports`` and who is known
-    to be ``gone``; or why there is none. Pure: every proposer with the same
+    to be ``gone``, and the ``joiners`` that fit under ``max_world_size`` (in
+    their order); or why there is none. Pure: every proposer with the same
     view decides the same."""
     alive = sorted(reports.values(), key=lambda r: r.rank)
     base = [m for m in members if m not in gone or m in reports]
     joiners = [j for j in joiners if j not in reports]
+    if max_world_size is not None:
+        joiners = joiners[: max(max_world_size - len(alive), 0)]
     missing = [f"rank {members.index(m)}" for m in members if m not in reports]
     lost = ", ".join(missing) or "none"
     if len(alive) * 2 <= len(base):
@@ -274,12 +306,15 @@ class Coordinator:
             ) from exc
         return tuple(self.read(key) for key in keys)
 
-    def join(self) -> tuple[Decision, int]:
+    def join(self, max_world_size: int | None = None) -> tuple[Decision, int]:
         """Register as a joiner; the world that takes this process in, and
-        this process's rank there, once one does.
+        this process's rank there, once one does. While the running world
+        is full (``max_world_size``), this process is a spare: it waits
+        with no deadline, as long as that world's members are alive.
 
         Raises:
-            MembershipLost: no world took it in within the timeout.
+            MembershipLost: no world took it in within the timeout (while
+                there was room), or every member of the last world is gone.
         """
         number = int(self.store.add("joins", 1))
         self.create(f"join/{number}", self.me)
@@ -293,6 +328,8 @@ class Coordinator:
             if generation > 0 and isinstance(decided, Decision) and self.me in decided.members:
                 return decided, decided.members.index(self.me)
             members = self._members_of(generation, decided)
+            if max_world_size is not None and len(members) >= max_world_size:
+                deadline = time.monotonic() + self.timeout + REFORM_GRACE  # a spare waits
             if members and self._gone(members, beats, time.monotonic()) >= set(members):
                 raise MembershipLost(
                     f"this process ({self.me}) registered to join the elastic session, but "
@@ -398,6 +435,7 @@ class Coordinator:
         min_world_size: int,
         channels: Sequence[str],
         reason: str,
+        max_world_size: int | None = None,
     ) -> Decision:
         """Agree with the survivors on world ``generation + 1``.
 
@@ -436,6 +474,7 @@ class Coordinator:
                     channels=channels,
                     reason=ended,
                     joiners=self.joiners(members),
+                    max_world_size=max_world_size,
                 )
                 text = proposal.encode() if isinstance(proposal, Decision) else _failure(proposal)
                 decided = _decoded(generation + 1, self.create(key, text))
@@ -562,8 +601,9 @@ class Membership:
     """An elastic session's side of the coordinator: forming world 0, the
     re-forming protocol, the watcher, and the members of the current world."""
 
-    def __init__(self, min_world_size: int) -> None:
+    def __init__(self, min_world_size: int, max_world_size: int | None = None) -> None:
         self.min_world_size = min_world_size
+        self.max_world_size = max_world_size
         self.me = member_id()
         self.generation = 0
         self.members: tuple[str, ...] = ()
@@ -586,9 +626,11 @@ class Membership:
 
         Raises:
             InitError: no coordinator, or world 0 did not form.
+            ValueError: the launch started more ranks than ``max_world_size``.
         """
         address = coordinator_address()
         joins = joining()
+        hosts = False  # a SLURM step's task 0 hosts the coordinator
         if address is None:
             launch = detect(
                 rank=wanted.rank,
@@ -606,16 +648,7 @@ class Membership:
                 )
             # a SLURM step: task 0 hosts it on the master's address and port
             address = (launch.master_addr, launch.master_port)
-            if launch.rank == 0 and not joins:
-                self._sidecar = start_sidecar(launch.master_port, wanted.timeout)
-                logger.info(
-                    "asyncdist: the elastic coordinator of this SLURM step is at %s:%d "
-                    "(a replacement joins with %s=%s:%d %s=1)",
-                    *address,
-                    COORDINATOR_ENV,
-                    *address,
-                    JOIN_ENV,
-                )
+            hosts = launch.rank == 0 and not joins
         # the coordinator stands in for the master: no MASTER_PORT needed
         env = detect(
             rank=wanted.rank,
@@ -623,6 +656,22 @@ class Membership:
             master_addr=address[0],
             master_port=address[1],
         )
+        if not joins and self.max_world_size is not None and env.world_size > self.max_world_size:
+            raise ValueError(
+                f"rank {env.rank}: the launch started {env.world_size} ranks, more than "
+                f"max_world_size={self.max_world_size}; launch at most that many (more "
+                "processes can join later as spares, with ASYNCDIST_ELASTIC_JOIN=1)"
+            )
+        if hosts:
+            self._sidecar = start_sidecar(address[1], wanted.timeout)
+            logger.info(
+                "asyncdist: the elastic coordinator of this SLURM step is at %s:%d "
+                "(a replacement joins with %s=%s:%d %s=1)",
+                *address,
+                COORDINATOR_ENV,
+                *address,
+                JOIN_ENV,
+            )
         self._address, self._timeout = address, wanted.timeout
         self._loopback = is_loopback(address[0])
         try:
@@ -630,7 +679,7 @@ class Membership:
                 connect(address, wanted.timeout), self.me, wanted.timeout
             )
             if joins:
-                decision, rank = self.coordinator.join()
+                decision, rank = self.coordinator.join(self.max_world_size)
                 self.members, self.generation = decision.members, decision.generation
                 self.joined = decision
             else:
@@ -697,6 +746,7 @@ class Membership:
                         min_world_size=self.min_world_size,
                         channels=channels,
                         reason=reason,
+                        max_world_size=self.max_world_size,
                     )
                 )
             except BaseException as exc:  # noqa: BLE001 - it is raised on the caller's thread
@@ -744,7 +794,8 @@ class Membership:
             coordinator = self.coordinator
             if self._planned is None:
                 self._planned = coordinator.planned(self.generation)
-            if self._planned is None and rank == 0 and coordinator.joiners(self.members):
+            room = self.max_world_size is None or len(self.members) < self.max_world_size
+            if self._planned is None and rank == 0 and room and coordinator.joiners(self.members):
                 self._planned = coordinator.plan(self.generation, commits + 1)
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)

@@ -34,7 +34,7 @@ from ._env import (
 )
 from ._grad import GradientSync, Options, detach, module_of, regenerate
 from ._lane import Lane
-from ._membership import Decision
+from ._membership import Decision, check_world_sizes
 from ._membership import Membership as _Membership
 from ._op import Op
 from ._progress import leaving_how, quiet_interrupt
@@ -109,6 +109,10 @@ class DistSession(Collectives):
             (``spawn(..., elastic=True)``); gloo on CPU.
         min_world_size: (elastic) the fewest ranks a world may have; below it
             the session ends with ``MembershipLost``.
+        max_world_size: (elastic) the most ranks a world may have (``None``:
+            no cap). Joiners beyond it wait as spares, and are taken in when
+            a member dies; a launch of more ranks raises ``ValueError`` at
+            entry.
     """
 
     def __init__(
@@ -127,13 +131,11 @@ class DistSession(Collectives):
         channels: Iterable[str] = (),
         elastic: bool = False,
         min_world_size: int = 1,
+        max_world_size: int | None = None,
     ) -> None:
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be True or False, not {elastic!r}")
-        if isinstance(min_world_size, bool) or not isinstance(min_world_size, int):
-            raise TypeError(f"min_world_size must be an int, not {min_world_size!r}")
-        if min_world_size < 1:
-            raise ValueError(f"min_world_size must be at least 1, not {min_world_size}")
+        check_world_sizes(elastic, min_world_size, max_world_size)
         on_cpu = device is None or (
             not isinstance(device, int) and torch.device(device).type == "cpu"
         )
@@ -144,7 +146,9 @@ class DistSession(Collectives):
             )
         if elastic and backend not in (None, "gloo"):
             raise ValueError(f"an elastic session runs on gloo, not {backend!r}")
-        self._membership: _Membership | None = _Membership(min_world_size) if elastic else None
+        self._membership: _Membership | None = (
+            _Membership(min_world_size, max_world_size) if elastic else None
+        )
         self._looping = False  # elastic: the loop over worlds has begun
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._debug import debug_from_env
-from ._membership import COORDINATOR_ENV, JOIN_ENV, dead_key
+from ._membership import COORDINATOR_ENV, JOIN_ENV, check_world_sizes, dead_key
 from ._store import host_loopback_store
 from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken, mismatch_hint
 
@@ -198,6 +198,7 @@ def spawn(
     join_timeout: float | None = None,
     elastic: bool = False,
     min_world_size: int = 1,
+    max_world_size: int | None = None,
     max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(session, *args)`` on ``world_size`` local ranks and return their results.
@@ -228,6 +229,8 @@ def spawn(
             and this process is their coordinator: a rank's death is told to
             the others (who re-form without it) instead of ending the run.
         min_world_size: (elastic) the fewest ranks a world may have.
+        max_world_size: (elastic) the most ranks a world may have (at least
+            ``world_size``; ``None``: no cap).
         max_restarts: (elastic) how many dead ranks, in all, are replaced by a
             fresh process that joins the running session at its next commit
             (the replacement's result takes the dead rank's slot).
@@ -270,8 +273,15 @@ def spawn(
         raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
     if max_restarts and not elastic:
         raise ValueError("max_restarts replaces dead ranks of an elastic run: pass elastic=True")
+    check_world_sizes(elastic, min_world_size, max_world_size)
+    if max_world_size is not None and world_size > max_world_size:
+        raise ValueError(f"world_size={world_size} is above max_world_size={max_world_size}")
     if elastic:
-        options |= {"elastic": True, "min_world_size": min_world_size}
+        options |= {
+            "elastic": True,
+            "min_world_size": min_world_size,
+            "max_world_size": max_world_size,
+        }
     store = host_loopback_store(world_size, timeout or 300.0)
     port = store.port
     ctx = multiprocessing.get_context("spawn")

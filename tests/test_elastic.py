@@ -12,8 +12,12 @@ world: the survivors, by old rank (all hold the same commit).
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -22,7 +26,14 @@ import pytest
 import torch
 from _stall import STALL_BOUND, no_stall
 
-from asyncdist import AsyncDistError, DistSession, InitError, MembershipLost, spawn
+from asyncdist import (
+    AsyncDistError,
+    DistSession,
+    InitError,
+    MembershipLost,
+    PeerFailure,
+    spawn,
+)
 from asyncdist._elastic import ElasticState
 from asyncdist._membership import REFORM_GRACE, Decision, Report, decide
 
@@ -312,6 +323,10 @@ def test_an_elastic_session_without_a_coordinator_says_how_to_launch(
         ({"elastic": True, "init_method": "tcp://127.0.0.1:1"}, ValueError),
         ({"elastic": 1}, TypeError),
         ({"elastic": True, "min_world_size": 0}, ValueError),
+        ({"elastic": True, "min_world_size": 3, "max_world_size": 2}, ValueError),
+        ({"elastic": True, "max_world_size": 2.0}, TypeError),
+        ({"min_world_size": 2}, ValueError),  # not elastic: it would bound nothing
+        ({"max_world_size": 2}, ValueError),
     ],
 )
 def test_bad_elastic_arguments_are_refused_at_construction(
@@ -355,25 +370,30 @@ def _reports(*ranks_commits: tuple[int, int]) -> dict[str, Report]:
 
 
 @pytest.mark.parametrize(
-    ("heard", "gone", "least", "joiners", "outcome"),
+    ("heard", "gone", "least", "most", "joiners", "outcome"),
     [
         # the survivor with the latest commit becomes rank 0, then by old rank
-        ([(1, 4), (2, 5), (3, 5)], {"a"}, 1, [], ("c", "b", "d")),
+        ([(1, 4), (2, 5), (3, 5)], {"a"}, 1, None, [], ("c", "b", "d")),
         # joiners come last
-        ([(1, 4), (2, 5), (3, 5)], {"a"}, 1, ["e"], ("c", "b", "d", "e")),
+        ([(1, 4), (2, 5), (3, 5)], {"a"}, 1, None, ["e"], ("c", "b", "d", "e")),
         # two of four heard, nobody known dead: the others may be alive elsewhere
-        ([(0, 1), (1, 1)], set(), 1, [], "no_majority"),
+        ([(0, 1), (1, 1)], set(), 1, None, [], "no_majority"),
         # the same two, with the others known dead (their launcher saw them exit)
-        ([(0, 1), (1, 1)], {"c", "d"}, 1, [], ("a", "b")),
+        ([(0, 1), (1, 1)], {"c", "d"}, 1, None, [], ("a", "b")),
         # three left, four needed; a joiner makes up for one
-        ([(0, 1), (1, 1), (2, 1)], {"d"}, 4, [], "too_few"),
-        ([(0, 1), (1, 1), (2, 1)], {"d"}, 4, ["e"], ("a", "b", "c", "e")),
+        ([(0, 1), (1, 1), (2, 1)], {"d"}, 4, None, [], "too_few"),
+        ([(0, 1), (1, 1), (2, 1)], {"d"}, 4, None, ["e"], ("a", "b", "c", "e")),
+        # capped at 4: the first joiner fits, the other waits
+        ([(0, 1), (1, 1), (2, 1)], {"d"}, 1, 4, ["e", "f"], ("a", "b", "c", "e")),
+        # capped at 3: none fits
+        ([(0, 1), (1, 1), (2, 1)], {"d"}, 1, 3, ["e"], ("a", "b", "c")),
     ],
 )
 def test_the_membership_rule(
     heard: list[tuple[int, int]],
     gone: set[str],
     least: int,
+    most: int | None,
     joiners: list[str],
     outcome: tuple[str, ...] | str,
 ) -> None:
@@ -386,6 +406,7 @@ def test_the_membership_rule(
         channels=["gradients"],
         reason="",
         joiners=joiners,
+        max_world_size=most,
     )
     if isinstance(outcome, str):
         assert isinstance(decided, MembershipLost)
@@ -538,6 +559,141 @@ def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(async_backend:
     assert _bitwise(
         first["params"], _replayed_worlds([(3, 0, 3), (2, 3, regrown), (3, regrown, end)])
     )
+
+
+# -- a capped world: a spare waits, and takes a dead rank's place --------------------------
+
+CAPPED = 2.0  # the capped run's session timeout: a joiner's own deadline is this + grace
+SPARE = """
+import json, sys, time
+import anyio, torch
+sys.path.insert(0, sys.argv[2])
+from test_elastic import CAPPED, _capped
+from asyncdist import DistSession
+
+async def main(folder):
+    torch.set_num_threads(1)
+    joining = time.monotonic()
+    with open(folder + "/spare.joining", "w") as file:
+        file.write(str(time.time()))
+    async with DistSession(elastic=True, max_world_size=2, timeout=CAPPED) as s:
+        result = await _capped(s, folder, "spare")
+    result["waited"] = result.pop("entered") - joining
+    with open(folder + "/spare.json", "w") as file:
+        json.dump(result, file)
+
+anyio.run(main, sys.argv[1])
+"""
+
+
+def _spare_waited_out_its_deadline(folder: str) -> bool:
+    """The spare registered, and has waited longer than a joiner may wait
+    for a world with room (its timeout plus the grace), and a second more."""
+    try:
+        with open(os.path.join(folder, "spare.joining")) as file:
+            since = float(file.read())
+    except (OSError, ValueError):  # not yet (or half written)
+        return False
+    return time.time() > since + CAPPED + REFORM_GRACE + 1.0
+
+
+def _start_spare(folder: str) -> subprocess.Popen[bytes]:
+    """The spare: a joiner of this rank's session, started by hand."""
+    env = os.environ | {"ASYNCDIST_ELASTIC_JOIN": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.Popen([sys.executable, "-c", SPARE, folder, here], env=env)
+
+
+async def _capped(s: DistSession, folder: str, role: str) -> dict[str, Any]:
+    """Train in a world capped at 2 ranks, committing every step. Launch
+    rank 0 starts a spare, which registers as a joiner; launch rank 1 dies
+    once the spare has waited past a joiner's deadline; the world that
+    follows trains 10 more steps."""
+    entered = time.monotonic()
+    model, opt, state, sync = _set_up(s)
+    spare = None
+    if role == "0":
+        spare = await anyio.to_thread.run_sync(_start_spare, folder)
+    worlds: list[list[int]] = []
+    starts: list[list[list[float]]] = []
+    try:
+        async for world in s.elastic(state):
+            worlds.append([world.generation, world.rank, world.world_size, state.step])
+            starts.append([p.flatten().tolist() for p in _params(model)])
+            first = state.step
+            async with world:
+                while world.generation == 0 or state.step < first + 10:
+                    if role == "1" and _spare_waited_out_its_deadline(folder):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    _step(model, opt, state.step, world.rank)
+                    await sync
+                    opt.step()
+                    state.step += 1
+                    state.commit()
+                    await anyio.sleep(0.02)
+    finally:
+        if spare is not None:
+            try:
+                await anyio.to_thread.run_sync(functools.partial(spare.wait, timeout=60))
+            finally:
+                spare.kill()
+                spare.wait()
+    return {
+        "entered": entered,
+        "worlds": worlds,
+        "starts": starts,
+        "params": [p.flatten().tolist() for p in _params(model)],
+        "step": state.step,
+    }
+
+
+async def _capped_rank(s: DistSession, folder: str) -> dict[str, Any]:
+    return await _capped(s, folder, str(s.rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_spare_waits_while_the_world_is_full_and_takes_a_dead_ranks_place(
+    tmp_path: Any,
+) -> None:
+    """max_world_size=2: rank 0 plans no re-form for the spare at its commits
+    (without the cap the world would grow to 3 at the next one), the spare
+    waits past a joiner's deadline without giving up, and when rank 1 dies
+    the survivor takes it in: a world of 2 again, the spare bitwise equal."""
+    folder = str(tmp_path)
+    first, dead = spawn(
+        _capped_rank,
+        2,
+        args=(folder,),
+        elastic=True,
+        max_world_size=2,
+        timeout=CAPPED,
+        join_timeout=100,
+    )
+    assert isinstance(dead, PeerFailure), dead
+    with open(os.path.join(folder, "spare.json")) as file:
+        spare = json.load(file)
+    (gen0, gen1) = first["worlds"]
+    assert gen0 == [0, 0, 2, 0]
+    assert gen1[:3] == [1, 0, 2], "the survivor's second world: itself and the spare"
+    assert spare["worlds"] == [[1, 1, 2, gen1[3]]], "the spare joins world 1, as rank 1"
+    assert spare["waited"] > CAPPED + REFORM_GRACE, "it waited past a joiner's deadline"
+    assert spare["starts"][0] == first["starts"][1], "restored from the survivor's commit"
+    assert spare["params"] == first["params"]
+    assert spare["step"] == first["step"] == gen1[3] + 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"world_size": 3, "elastic": True, "max_world_size": 2}, "above max_world_size"),
+        ({"world_size": 2, "min_world_size": 2}, "pass elastic=True"),
+        ({"world_size": 2, "max_world_size": 4}, "pass elastic=True"),
+    ],
+)
+def test_spawn_refuses_world_sizes_that_cannot_hold(kwargs: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        spawn(_capped_rank, args=("",), **kwargs)
 
 
 # -- many re-forms: nothing of a world outlives it ------------------------------------------

@@ -98,6 +98,7 @@ def test_session_surface() -> None:
         "channels",
         "elastic",
         "min_world_size",
+        "max_world_size",
     ]
 
 
