@@ -288,10 +288,13 @@ def _ddp_config(
     # own end-of-backward callback waits for its buckets: a callback queued
     # from the first gradient's hook runs just then (ahead of DDP's, queued
     # at its last bucket), the same for every arm
-    computed = {"at": 0.0}
+    # and the main thread's CPU time until then: what the hooks and launches
+    # cost, apart from waiting for a core the ranks' gloo threads hold
+    computed = {"at": 0.0, "cpu": 0.0}
 
     def mark() -> None:
         computed["at"] = time.perf_counter()
+        computed["cpu"] = time.thread_time()
 
     def queue_mark(_: torch.Tensor) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(mark)  # type: ignore[attr-defined]
@@ -305,7 +308,7 @@ def _ddp_config(
 
     def step(arm: str) -> dict[str, float]:
         model = ddps.get(arm, models[arm])
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         t1 = time.perf_counter()
         if arm in syncs:
@@ -318,8 +321,14 @@ def _ddp_config(
             opts[arm].step()
         t2 = time.perf_counter()
         opts[arm].zero_grad(set_to_none=True)
-        backward = computed["at"] - t0 if t0 < computed["at"] <= t1 else t1 - t0
-        return {"step": t2 - t0, "backward": backward, "optimizer": timers[arm].take()}
+        marked = t0 < computed["at"] <= t1
+        backward = computed["at"] - t0 if marked else t1 - t0
+        return {
+            "step": t2 - t0,
+            "backward": backward,
+            "backward_cpu": computed["cpu"] - cpu0 if marked else backward,
+            "optimizer": timers[arm].take(),
+        }
 
     for arm in arms:  # warm-up (and gradient_sync's bucket rebuild)
         step(arm)
@@ -377,6 +386,7 @@ def _ddp_config(
         part = {k: statistics.median(x[k] for x in samples[arm]) for k in samples[arm][0]}
         breakdown[arm] = {
             "backward": part["backward"],
+            "backward_cpu": part["backward_cpu"],
             "optimizer": part["optimizer"],
             "exposed_comm": max(med[arm] - part["backward"] - part["optimizer"], 0.0),
             "communication": comm["bfloat16" if arm.endswith(("bf16", "both")) else "float32"],
@@ -406,6 +416,9 @@ def _ddp_config(
         "buckets": sizes,
         "ratio_vs_ddp": {arm: paired(arm, "ddp") for arm in arms},
         "backward_vs_ddp": breakdown["sync"]["backward"] / breakdown["ddp"]["backward"],
+        "backward_cpu_vs_ddp": (
+            breakdown["sync"]["backward_cpu"] / breakdown["ddp"]["backward_cpu"]
+        ),
         "bf16_vs_ddp_bf16": paired("sync_bf16", "ddp_bf16"),
         "floor_vs_ddp": floor / med["ddp"],
         # step overlap judged by what it can hide: the step time it saves over

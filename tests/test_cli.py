@@ -326,6 +326,7 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
             arm: {"backward": 0.2812, "exposed_comm": 1.3712, "optimizer": 0.1623} for arm in arms
         },
         "backward_vs_ddp": 1.2345,
+        "backward_cpu_vs_ddp": 1.2345,
         "bf16_vs_ddp_bf16": 1.2345,
         "overlap_hides": -12.345,
         "overlap_can_hide": 0.875,
