@@ -12,10 +12,12 @@ off from the store decides nothing. Keys, under ``ROOT``:
 
 * ``rank/{r}``: the member id (``host:pid``) of launch rank ``r`` (world 0);
 * ``hb/{member}``: a counter each member's watcher thread adds to;
+* ``probe/{member}``: where its probe port listens (``_reach``);
 * ``dead/{member}``: the member is gone for sure (its launcher saw it exit,
   or it left its session);
 * ``gen/{g}/reform``: world ``g`` is over, and why (its first writer wins);
-* ``gen/{g}/report/{member}``: a survivor of world ``g`` and its progress;
+* ``gen/{g}/report/{member}``: a survivor of world ``g``, its progress,
+  and the other members it reached;
 * ``gen/{g}/world``: the decision: world ``g``'s members in rank order, or
   why there is none;
 * ``generation``: a counter, the newest world formed (joiners read it);
@@ -41,7 +43,8 @@ with no deadline while the world that keeps them out is alive.
 
 The rule (``decide``): the survivors that reported go on when they are a
 strict majority of world ``g``'s members not known to be gone (so two sides
-of a partition never both go on) and at least ``min_world_size``. The new
+of a partition never both go on) and at least ``min_world_size``, counting
+only the survivors that all reach each other (``_reach``). The new
 rank 0 is the survivor with the most commits (on a tie the lowest old rank),
 so the state every rank restores is the latest any survivor committed.
 """
@@ -56,7 +59,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +68,7 @@ import torch.distributed as dist
 from ._coordinator import ROOT, start_sidecar
 from ._env import detect, is_loopback
 from ._groups import form_generation
+from ._reach import PROBE_TIMEOUT, Probe, connected, reachable
 from .errors import InitError, MembershipLost
 
 logger = logging.getLogger("asyncdist")
@@ -167,6 +171,8 @@ class Report:
     member: str
     rank: int  # its rank in the world that ended
     commits: int  # how many commits its state holds
+    # the other members of that world it reached (None: it did not probe)
+    reach: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,19 +212,25 @@ def decide(
     ``members`` (in rank order), the survivors' ``reports`` and who is known
     to be ``gone``, and the ``joiners`` that fit under ``max_world_size`` (in
     their order); or why there is none. Pure: every proposer with the same
-    view decides the same."""
+    view decides the same.
+
+    Of the survivors that reported, only those that all reach each other
+    count (``_reach.connected``): a survivor cut off from the others is left
+    out, as if it had not reported."""
     alive = sorted(reports.values(), key=lambda r: r.rank)
+    linked = connected([r.member for r in alive], {r.member: r.reach for r in alive})
+    alive = [r for r in alive if r.member in linked]
     base = [m for m in members if m not in gone or m in reports]
     joiners = [j for j in joiners if j not in reports]
     if max_world_size is not None:
         joiners = joiners[: max(max_world_size - len(alive), 0)]
-    missing = [f"rank {members.index(m)}" for m in members if m not in reports]
+    missing = [f"rank {members.index(m)}" for m in members if m not in linked]
     lost = ", ".join(missing) or "none"
     if len(alive) * 2 <= len(base):
         return MembershipLost(
             f"{len(alive)} of the {len(base)} ranks of world {generation - 1} not known to be "
-            f"gone reached the coordinator (missing: {lost}); going on needs a strict majority "
-            "(the others may be alive on the other side of a partition)",
+            f"gone reached the coordinator and each other (missing: {lost}); going on needs a "
+            "strict majority (the others may be alive on the other side of a partition)",
             why="no_majority",
         )
     if len(alive) + len(joiners) < min_world_size:
@@ -436,18 +448,22 @@ class Coordinator:
         channels: Sequence[str],
         reason: str,
         max_world_size: int | None = None,
+        probe: Callable[[Mapping[str, str]], frozenset[str]] | None = None,
     ) -> Decision:
-        """Agree with the survivors on world ``generation + 1``.
+        """Agree with the survivors on world ``generation + 1``. ``probe``
+        (``_reach.reachable``): how this member finds whom it reaches, which
+        its report says.
 
         Raises:
             MembershipLost: too few, no majority, this member left out, or
                 no decision within the timeout plus ``REFORM_GRACE``.
         """
         ended = self.end(generation, reason)
-        self.create(
-            f"gen/{generation}/report/{self.me}",
-            json.dumps({"rank": mine.rank, "commits": mine.commits}),
-        )
+        report: dict[str, Any] = {"rank": mine.rank, "commits": mine.commits}
+        if probe is not None:  # whom this member reaches, of the world that ended
+            others = [m for m in members if m != self.me]
+            report["reach"] = sorted(probe(self.probe_addresses(others)))
+        self.create(f"gen/{generation}/report/{self.me}", json.dumps(report))
         start = time.monotonic()
         wait_all_until = start + REFORM_GRACE  # then go on without the missing
         deadline = start + self.timeout + REFORM_GRACE
@@ -491,7 +507,8 @@ class Coordinator:
         if self.me not in decided.members:
             raise MembershipLost(
                 f"world {generation + 1} was formed without this process ({self.me}): the "
-                "others did not hear from it in time. Restart it to train again",
+                "others did not hear from it in time, or it could not reach them (a network "
+                "partition). Restart it to train again once the network is whole",
                 why="evicted",
             )
         return decided
@@ -502,8 +519,22 @@ class Coordinator:
             key = f"gen/{generation}/report/{member}"
             if self.has(key):
                 data = json.loads(self.read(key))
-                reports[member] = Report(member, int(data["rank"]), int(data["commits"]))
+                reach = data.get("reach")
+                reports[member] = Report(
+                    member,
+                    int(data["rank"]),
+                    int(data["commits"]),
+                    None if reach is None else frozenset(reach),
+                )
         return reports
+
+    def publish_probe(self, address: str) -> None:
+        """Where this member's probe port listens (``_reach``)."""
+        self.store.set(f"probe/{self.me}", address)
+
+    def probe_addresses(self, members: Sequence[str]) -> dict[str, str]:
+        """The probe ports of those of ``members`` that published one."""
+        return {m: self.read(f"probe/{m}") for m in members if self.has(f"probe/{m}")}
 
     def _gone(
         self, members: Sequence[str], beats: dict[str, tuple[int, float]], now: float
@@ -547,7 +578,8 @@ class Coordinator:
             members = list(decided.members) if isinstance(decided, Decision) else []
         else:
             members = []
-        names = {f"{kind}/{m}" for m in members if m not in keep for kind in ("hb", "dead")}
+        kinds = ("hb", "dead", "probe")
+        names = {f"{kind}/{m}" for m in members if m not in keep for kind in kinds}
         prefixes = (f"gen/{generation}/", f"pg/{generation}/")
         for key in self.store.list_keys():
             if key.startswith(prefixes) or key in names:
@@ -565,8 +597,10 @@ class Watcher:
         me: str,
         timeout: float,
         on_end: Callable[[int, str], None],
+        probe: Probe | None = None,
     ) -> None:
         self._store = connect(address, timeout)
+        self._probe = probe
         self._me = me
         self._on_end = on_end
         self.generation = 0
@@ -581,6 +615,8 @@ class Watcher:
         beat = f"hb/{self._me}"
         while not self._stop.wait(HEARTBEAT):
             generation = self.generation
+            if self._probe is not None:
+                self._probe.drain()
             try:
                 self._store.add(beat, 1)
                 if self._told < generation and self._store.check([f"gen/{generation}/reform"]):
@@ -615,6 +651,7 @@ class Membership:
         self._timeout = 0.0
         self._loopback = False
         self._sidecar: Any = None  # a SLURM step's coordinator, which task 0 started
+        self._probe: Probe | None = None  # this member's probe port (``_reach``)
 
     @property
     def coordinator(self) -> Coordinator:
@@ -692,9 +729,26 @@ class Membership:
                 f"rank {env.rank}: the elastic coordinator at {address[0]}:{address[1]} "
                 f"did not answer, or not every rank registered with it ({exc})"
             ) from exc
-        self._watcher = Watcher(address, self.me, wanted.timeout, on_end)
+        self._probe = self._open_probe(address)
+        self._watcher = Watcher(address, self.me, wanted.timeout, on_end, self._probe)
         self._watcher.generation = self.generation
         return self.form(self.generation, rank, len(self.members))
+
+    def _open_probe(self, toward: tuple[str, int]) -> Probe | None:
+        """Listen on a probe port facing the coordinator and publish it; none
+        (probes then count this member as reachable) if that fails."""
+        try:
+            probe = Probe(toward)
+        except OSError as exc:
+            logger.warning("elastic: no probe port (%s); reachability is not checked", exc)
+            return None
+        try:
+            self.coordinator.publish_probe(probe.address)
+        except (RuntimeError, dist.DistError) as exc:
+            probe.close()
+            logger.warning("elastic: the probe port was not published (%s)", exc)
+            return None
+        return probe
 
     def form(self, generation: int, rank: int, world_size: int) -> Any:
         """World ``generation``'s default group (``_groups.World``).
@@ -747,6 +801,7 @@ class Membership:
                         channels=channels,
                         reason=reason,
                         max_world_size=self.max_world_size,
+                        probe=self._reachable,
                     )
                 )
             except BaseException as exc:  # noqa: BLE001 - it is raised on the caller's thread
@@ -786,6 +841,11 @@ class Membership:
                 self.coordinator.forget(decision.generation - 2, [*old, *decision.members])
         return decision
 
+    def _reachable(self, addresses: Mapping[str, str]) -> frozenset[str]:
+        """The members whose probe ports this member reaches now (bounded by
+        the session timeout too, so a short one stays short)."""
+        return reachable(addresses, min(PROBE_TIMEOUT, self._timeout / 2))
+
     def at_commit(self, rank: int, commits: int) -> bool:
         """At the ``commits``-th commit: whether this world ends here to take
         in joiners (the same answer on every rank, see the module docstring).
@@ -811,6 +871,9 @@ class Membership:
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         coordinator, self._coordinator = self._coordinator, None
         if coordinator is not None:
 

@@ -877,15 +877,11 @@ def test_a_slow_rank_within_the_timeout_is_not_expelled() -> None:
 # -- a partition: the majority goes on, the side cut off ends ------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
-    tmp_path: Any,
-) -> None:
-    """Ranks 0 and 1 and the coordinator on one namespace host, rank 2 on the
-    other; then every packet between the hosts is dropped. The two go on as
-    a world of 2; rank 2, cut off from its peers and the coordinator alike,
-    ends with MembershipLost("coordinator"): never two worlds at once."""
+def _partition(tmp_path: Any, *, spare_coordinator: bool) -> tuple[list[Any], float, float]:
+    """Ranks 0 and 1 and the coordinator on namespace host 0, rank 2 on host
+    1; once all three trained, every packet between the hosts is dropped
+    (``spare_coordinator``: but the coordinator's port). What each rank
+    wrote at its end, when the cut came, and the bound it had."""
     import json
     import subprocess
     import sys
@@ -920,7 +916,7 @@ def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
             while not all((tmp_path / f"ready.{r}").exists() for r in range(3)):
                 assert time.monotonic() < deadline, "the ranks never got ready"
                 time.sleep(0.05)
-            hosts.drop()
+            hosts.drop(sparing=port if spare_coordinator else None)
             cut = time.time()
             bound = 3.0 + 3 * REFORM_GRACE + 10
             while not all((tmp_path / f"done.{r}.json").exists() for r in range(3)):
@@ -932,11 +928,39 @@ def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
             for proc in procs:
                 proc.kill()
                 proc.wait()
-    majority, other, cut_off = done
+    return done, cut, bound
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
+    tmp_path: Any,
+) -> None:
+    """The two on the coordinator's host go on as a world of 2; rank 2, cut
+    off from its peers and the coordinator alike, ends with
+    MembershipLost("coordinator"): never two worlds at once."""
+    (majority, other, cut_off), cut, bound = _partition(tmp_path, spare_coordinator=False)
     assert majority["worlds"] == other["worlds"] == [[0, 3], [1, 2]]
     assert majority["params"] == other["params"]
     assert cut_off["worlds"] == [[0, 3]]
     assert cut_off["lost"] == "coordinator"
+    assert cut_off["t"] - cut < bound
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_partition_the_coordinator_spans_leaves_the_connected_majority_training(
+    tmp_path: Any,
+) -> None:
+    """The same cut, but every rank still reaches the coordinator, so rank 2
+    reports too: the probes show it reaches neither peer, the two that reach
+    each other go on as a world of 2 (a world of all three would never
+    form), and rank 2 is told it was left out (MembershipLost("evicted"))."""
+    (majority, other, cut_off), cut, bound = _partition(tmp_path, spare_coordinator=True)
+    assert majority["worlds"] == other["worlds"] == [[0, 3], [1, 2]]
+    assert majority["params"] == other["params"]
+    assert cut_off["worlds"] == [[0, 3]]
+    assert cut_off["lost"] == "evicted"
     assert cut_off["t"] - cut < bound
 
 

@@ -108,19 +108,26 @@ class TwoHosts:
         for ns, dev in zip(self.ns, self.dev, strict=True):
             _sh("ip", "-n", ns, "link", "set", dev, "up" if up else "down")
 
-    def drop(self, *, into: tuple[int, ...] = (0, 1)) -> None:
+    def drop(self, *, into: tuple[int, ...] = (0, 1), sparing: int | None = None) -> None:
         """Silently drop every packet arriving at the hosts in ``into`` from
         the other host: ``(0, 1)`` is a black hole, ``(0,)`` a one-way one
         (host 1 -> host 0 lost, host 0 -> host 1 still delivered).
+        ``sparing``: a TCP port on host 0 whose connections still pass both
+        ways (a service both hosts keep reaching, the rest cut).
 
         The rule sits in the receiver's input hook, as a firewall on the path
         would: the sender gets no error (a drop in its own output hook would
         fail its send with EPERM) and nobody sends a reset.
         """
         for host in into:
+            spared = ""
+            if sparing is not None:
+                side = "dport" if host == 0 else "sport"
+                spared = f'    iifname "{self.dev[host]}" tcp {side} {sparing} accept\n'
             rules = (
                 f"table inet {_FAULT_TABLE} {{\n"
                 "  chain input { type filter hook input priority -300; policy accept;\n"
+                f"{spared}"
                 f'    iifname "{self.dev[host]}" drop\n'
                 "  }\n"
                 "}\n"
