@@ -13,6 +13,10 @@ attempt only), having written the time first.
   (``torch.save``) every ``--every`` steps. The death makes the others fail
   with ``PeerFailure``; torchrun then stops and restarts all 3 workers, which
   import torch again, form the group again and load the checkpoint.
+* **torchft** (when ``torchft`` is installed: ``pip install torchft``): its
+  fault-tolerant DDP, each rank a replica group of one, with a lighthouse
+  in this process (``min_replicas=2``) and torchft's own gloo group. A
+  failed step is not committed; the next quorum drops the dead replica.
 
 Per round: **time to the next step**, from the victim's kill to the first
 step any rank completes after it, and **steps lost**, the step the job was
@@ -44,6 +48,7 @@ import _common
 WORLD = 3
 VICTIM = 2
 GOAL = 0.25
+TIMEOUT = 30.0  # every arm's collective timeout
 
 
 def _model() -> Any:
@@ -115,7 +120,7 @@ def _elastic_round(steps: int, kill_at: int, step_ms: float) -> dict[str, float]
             args=(steps, kill_at, step_ms, out),
             elastic=True,
             min_world_size=2,
-            timeout=30,
+            timeout=TIMEOUT,
             join_timeout=300,
         )
         killed = float(Path(out, "killed").read_text())
@@ -221,6 +226,119 @@ def _torchrun_round(steps: int, kill_at: int, step_ms: float, every: int) -> dic
     }
 
 
+TORCHFT_WORKER = """
+import os, sys, time
+from datetime import timedelta
+import torch
+sys.path.insert(0, {bench!r})
+import elastic as bench
+from torch.distributed import TCPStore
+from torchft.ddp import DistributedDataParallel
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+replica, lighthouse = int(sys.argv[1]), sys.argv[2]
+steps, kill_at, step_ms, out = {steps}, {kill_at}, {step_ms}, {out!r}
+torch.set_num_threads(1)
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # its group's
+model = bench._model()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+def load_state_dict(saved):
+    model.load_state_dict(saved["model"]); opt.load_state_dict(saved["optim"])
+
+def state_dict():
+    return {{"model": model.state_dict(), "optim": opt.state_dict()}}
+
+timeout = timedelta(seconds=bench.TIMEOUT)
+manager = Manager(
+    pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
+    state_dict=state_dict, min_replica_size=2, rank=0, world_size=1,
+    store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
+    replica_id=f"r{{replica}}", timeout=timeout,
+)
+ddp = DistributedDataParallel(manager, model)
+wrapped = OptimizerWrapper(manager, opt)
+log = open(os.path.join(out, f"done.{{replica}}"), "a")
+while manager.current_step() < steps:
+    step = manager.current_step()
+    if replica == bench.VICTIM and step == kill_at:
+        bench._die(out)
+    started = time.monotonic()
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    x, y = torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)
+    wrapped.zero_grad()  # starts the quorum
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    wrapped.step()  # only if every replica's allreduce succeeded
+    bench._pad(started, step_ms)
+    log.write(f"{{manager.current_step()}} {{time.time()!r}} {{manager.num_participants()}}\\n")
+    log.flush()
+manager.shutdown(wait=False)
+os._exit(0)  # torchft's threads would hold the process
+"""
+
+
+def has_torchft() -> bool:
+    """Whether the torchft arm can run (``pip install torchft``)."""
+    os.environ.setdefault("RUST_LOG", "error")  # read at import: else it logs every quorum
+    try:
+        import torchft._torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torchft_round(steps: int, kill_at: int, step_ms: float) -> dict[str, float]:
+    from torchft._torchft import LighthouseServer
+
+    out = tempfile.mkdtemp(prefix="asyncdist-torchft-")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        script = Path(out, "worker.py")
+        script.write_text(
+            TORCHFT_WORKER.format(
+                bench=str(Path(__file__).resolve().parent),
+                steps=steps,
+                kill_at=kill_at,
+                step_ms=step_ms,
+                out=out,
+            )
+        )
+        env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
+        with open(Path(out, "log"), "wb") as log:
+            for replica in range(WORLD):
+                command = [sys.executable, str(script), str(replica), lighthouse.address()]
+                procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+            for proc in procs:
+                proc.wait(timeout=300)
+        codes = [proc.returncode for proc in procs]
+        if codes != [0] * VICTIM + [-signal.SIGKILL] + [0] * (WORLD - VICTIM - 1):
+            tail = Path(out, "log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"torchft workers exited {codes}:\n{tail}")
+        killed = float(Path(out, "killed").read_text())
+        logs = []
+        for replica in range(WORLD):
+            lines = [line.split() for line in Path(out, f"done.{replica}").read_text().splitlines()]
+            logs.append([(int(a), float(b), int(c)) for a, b, c in lines])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        lighthouse.shutdown()
+        shutil.rmtree(out, ignore_errors=True)
+    survivors = [log for replica, log in enumerate(logs) if replica != VICTIM]
+    # the first step of the quorum without the victim (fewer participants)
+    after = min((t, n) for log in survivors for n, t, size in log if size < WORLD and t > killed)
+    return {
+        "next_step_s": after[0] - killed,
+        "lost": max(kill_at - (after[1] - 1), 0),
+        "step_s": _step_time(survivors, killed),
+    }
+
+
 def _free_port() -> int:
     import socket
 
@@ -260,13 +378,27 @@ def summarize(
             f"{max(r['lost'] for r in rounds['torchrun']):g}",
             f"{med('torchrun', 'step_s') * 1e3:.1f} ms",
         ],
+    ]
+    if rounds.get("torchft"):
+        rows.append(
+            [
+                "torchft FT-DDP",
+                f"{med('torchft', 'next_step_s'):.2f} s",
+                f"{max(r['lost'] for r in rounds['torchft']):g}",
+                f"{med('torchft', 'step_s') * 1e3:.1f} ms",
+            ]
+        )
+    rows.append(
         [
             "elastic ÷ torchrun",
             f"{ratio:.3f}×",
             _common.verdict("≤ 1 step", lost <= 1, smoke),
             _common.verdict(f"≤ {GOAL}×", ratio <= GOAL, smoke),
-        ],
-    ]
+        ]
+    )
+    if rounds.get("torchft"):
+        vs_torchft = med("elastic", "next_step_s") / med("torchft", "next_step_s")
+        rows.append(["elastic ÷ torchft", f"{vs_torchft:.3f}×", "", ""])
     title = (
         f"A rank of {WORLD} dies: commit every step vs checkpoint every {every} "
         f"({len(rounds['elastic'])} rounds)"
@@ -286,11 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a quick run; goals not judged")
     args = parser.parse_args(argv)
     rounds: dict[str, list[dict[str, float]]] = {"elastic": [], "torchrun": []}
+    if has_torchft():
+        rounds["torchft"] = []
+    else:
+        print("torchft is not installed (pip install torchft): its arm is left out")
     for _ in range(args.rounds):
         rounds["elastic"].append(_elastic_round(args.steps, args.kill_at, args.step_ms))
         rounds["torchrun"].append(
             _torchrun_round(args.steps, args.kill_at, args.step_ms, args.every)
         )
+        if "torchft" in rounds:
+            rounds["torchft"].append(_torchft_round(args.steps, args.kill_at, args.step_ms))
     title, columns, rows, payload = summarize(rounds, args.every, args.smoke)
     return _common.publish("elastic", title, columns, rows, payload, smoke=args.smoke)
 

@@ -338,7 +338,7 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
     tables["ddp"] = common.table(shaped.title("ddp", "500mbit"), columns, rows, smoke=smoke)
     death = {"next_step_s": 5.4812, "lost": 9.0, "step_s": 0.05123}
     title, columns, rows, _ = benchmarks.elastic.summarize(
-        {"elastic": [death], "torchrun": [death]}, 10, smoke
+        {"elastic": [death], "torchrun": [death], "torchft": [death]}, 10, smoke
     )
     tables["elastic"] = common.table(title, columns, rows, smoke=smoke)
     assert set(tables) == set(cli.BENCHMARKS)
