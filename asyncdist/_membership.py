@@ -732,7 +732,11 @@ class Membership:
         self._probe = self._open_probe(address)
         self._watcher = Watcher(address, self.me, wanted.timeout, on_end, self._probe)
         self._watcher.generation = self.generation
-        return self.form(self.generation, rank, len(self.members))
+        try:
+            return self.form(self.generation, rank, len(self.members))
+        except BaseException:
+            self.leave("raised")  # no session holds this yet: its beats stop here
+            raise
 
     def _open_probe(self, toward: tuple[str, int]) -> Probe | None:
         """Listen on a probe port facing the coordinator and publish it; none

@@ -336,6 +336,33 @@ def test_bad_elastic_arguments_are_refused_at_construction(
         DistSession(**kwargs)
 
 
+def test_an_elastic_world_that_does_not_form_leaves_no_watcher_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both launch ranks registered (rank 1 by hand, never to form a group),
+    so rank 0's world 0 times out forming: InitError, and its heartbeat
+    thread and probe port are gone with it, its exit written."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from asyncdist._coordinator import ROOT
+
+    limit = datetime.timedelta(seconds=5)
+    coordinator = dist.TCPStore("127.0.0.1", 0, None, True, limit, wait_for_workers=False)
+    keys = dist.PrefixStore(ROOT, coordinator)
+    keys.set("rank/1", "ghost:1")
+    monkeypatch.setenv("ASYNCDIST_COORDINATOR", f"127.0.0.1:{coordinator.port}")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InitError, match="world 0 of the elastic session did not form"):
+        DistSession(elastic=True, timeout=1.5).__enter__()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("asyncdist-elastic")]
+    assert left == []
+    assert [k for k in keys.list_keys() if k.startswith("dead/")], "its exit is written"
+
+
 def test_elastic_calls_on_a_plain_session_say_it_is_not_elastic() -> None:
     with DistSession() as s, pytest.raises(AsyncDistError, match="not elastic"):
         s.elastic_state(step=0)
