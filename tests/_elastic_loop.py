@@ -28,11 +28,13 @@ async def train(
     dies_at: int | None,
     pause: float = 0.0,
     last_look: Callable[[], Any] = lambda: None,
+    entered: Callable[[World], None] = lambda world: None,
 ) -> dict[str, Any]:
     """Train until ``until(world, step)``; SIGKILL this process before step
-    ``dies_at`` (None: never). The worlds seen (generation, rank, world size,
-    step at its start), the parameters, and ``last_look()`` taken inside the
-    session once training ended."""
+    ``dies_at`` (None: never); ``entered(world)`` as each world begins. The
+    worlds seen (generation, rank, world size, step at its start), the
+    parameters, and ``last_look()`` taken inside the session once training
+    ended."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1)
@@ -45,6 +47,7 @@ async def train(
         sync = s.gradient_sync(model)
         async for world in s.elastic(state):
             worlds.append([world.generation, world.rank, world.world_size, state.step])
+            entered(world)
             async with world:
                 while not until(world, state.step):
                     if state.step == dies_at:

@@ -2,19 +2,26 @@
 
 It gets nothing from the test but SLURM's environment and the output folder
 (its working directory): task 0 hosts the coordinator in a sidecar by
-itself. The task named by the first argument SIGKILLs itself at step 5; the
-other goes on alone (``min_world_size=1``) and writes ``done.<task>.json``:
-the worlds it saw, its parameters, and whether the coordinator sidecar still
-ran when it finished (``sidecar``).
+itself. With a task number as its argument, that task SIGKILLs itself at
+step 5 and the other goes on alone (``min_world_size=1``) to step 20. With
+``regrow``, task 1 dies at step 5, and the survivor trains on until a
+replacement (this job run with ``join``, in a step of its own) has joined
+and the world of two has taken 5 steps. Each writes ``done.<task>.json``
+(the replacement ``done.join.json``): the worlds it saw, its parameters, and
+whether the coordinator sidecar still ran when it finished (``sidecar``);
+and ``world.<task>.<generation>`` as each world begins.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import anyio
 from _elastic_loop import train, write
+
+from asyncdist import World
 
 
 def _coordinator_running() -> bool:
@@ -31,19 +38,37 @@ def _coordinator_running() -> bool:
     return False
 
 
-async def main(victim: int) -> None:
+async def main(mode: str) -> None:
     task = int(os.environ["SLURM_PROCID"])
+    starts: dict[int, int] = {}
+
+    def until(world: World, step: int) -> bool:
+        first = starts.setdefault(world.generation, step)
+        if mode in ("regrow", "join"):  # on until the replacement took 5 steps with us
+            return world.world_size == 2 and world.generation >= 2 and step >= first + 5
+        return step >= 20
+
+    def entered(world: World) -> None:
+        if mode != "join":
+            with open(f"world.{task}.{world.generation}", "w"):
+                pass
+
+    if mode != "join" and task == 0:
+        logging.basicConfig(level=logging.INFO)  # the coordinator's address, for a replacement
+    victim = 1 if mode == "regrow" else -1 if mode == "join" else int(mode)
     report = await train(
         session_timeout=5,
         min_world_size=1,
-        until=lambda world, step: step >= 20,
+        until=until,
         dies_at=5 if task == victim else None,
+        pause=0.1 if mode in ("regrow", "join") else 0.0,
         # before leaving: the sidecar ends once every member left
         last_look=_coordinator_running,
+        entered=entered,
     )
     report["sidecar"] = report.pop("last_look")
-    write(f"done.{task}.json", report)
+    write("done.join.json" if mode == "join" else f"done.{task}.json", report)
 
 
 if __name__ == "__main__":
-    anyio.run(main, int(sys.argv[1]))
+    anyio.run(main, sys.argv[1])

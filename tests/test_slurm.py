@@ -196,28 +196,33 @@ def _coordinators(cluster: SlurmCluster) -> list[int]:
     return found
 
 
-def _elastic_reference() -> list[list[float]]:
-    """elastic_slurm_job.py's parameters, replayed in one process: steps 0-4
-    on two ranks (the mean of their gradients), then, from the commit after
-    step 4, steps 5-19 on one."""
+def _elastic_reference(
+    phases: tuple[tuple[int, int], ...] = ((2, 5), (1, 20)),
+) -> list[list[float]]:
+    """elastic_slurm_job.py's parameters, replayed in one process: each phase
+    (world size, the step it ends before) from where the one before ended,
+    each step the mean of the world's gradients. The default: steps 0-4 on
+    two ranks, then, from the commit after step 4, steps 5-19 on one."""
     import torch
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(20):
-        world = 2 if step < 5 else 1
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(world):
-            g = torch.Generator().manual_seed(1000 * step + rank)
-            model.zero_grad()
-            model(torch.randn(4, 6, generator=g)).sum().backward()
+    start = 0
+    for world, end in phases:
+        for step in range(start, end):
+            grads = [torch.zeros_like(p) for p in model.parameters()]
+            for rank in range(world):
+                g = torch.Generator().manual_seed(1000 * step + rank)
+                model.zero_grad()
+                model(torch.randn(4, 6, generator=g)).sum().backward()
+                for total, p in zip(grads, model.parameters(), strict=True):
+                    assert p.grad is not None
+                    total += p.grad / world
             for total, p in zip(grads, model.parameters(), strict=True):
-                assert p.grad is not None
-                total += p.grad / world
-        for total, p in zip(grads, model.parameters(), strict=True):
-            p.grad = total
-        opt.step()
+                p.grad = total
+            opt.step()
+        start = end
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
@@ -248,3 +253,50 @@ def test_an_elastic_step_goes_on_when_a_task_is_killed(
     while _coordinators(cluster) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _coordinators(cluster), "the coordinator sidecar outlived its session"
+
+
+def test_an_elastic_step_takes_in_a_replacement_started_as_the_guide_says(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """docs/guides/elastic.md's replacement line, in a batch script: task 1
+    of the elastic step dies at step 5; once task 0 trains alone, the script
+    reads the coordinator's address from the line task 0 logged and starts
+    the replacement as a step of its own (``srun --overlap``) on the dead
+    task's node. It joins at a commit: a world of two again, both ending
+    with the parameters of a one-process replay of the three worlds."""
+    node1 = cluster.node_names[1]
+    (tmp_path / "regrow.sbatch").write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
+        f"srun -N 2 -n 2 --kill-on-bad-exit=0 python {ELASTIC_JOB} regrow 2> step.err &\n"
+        "for i in $(seq 600); do [ -e world.0.1 ] && break; sleep 0.1; done\n"
+        "addr=$(grep -o 'coordinator of this SLURM step is at [^ ]*' step.err "
+        "| head -n 1 | awk '{print $NF}')\n"
+        'echo "replacement for $addr"\n'
+        "ASYNCDIST_COORDINATOR=$addr ASYNCDIST_ELASTIC_JOIN=1 \\\n"
+        f"    srun --overlap --nodes=1 --ntasks=1 -w {node1} python {ELASTIC_JOB} join\n"
+        "wait\n"
+    )
+    done = _submit(cluster, tmp_path, ["sbatch", "--wait", "regrow.sbatch"])
+    output = tmp_path / f"slurm-{_job_id(done)}.out"
+    log = output.read_text()[-3000:] if output.exists() else done.stderr
+    err = (tmp_path / "step.err").read_text()[-3000:] if (tmp_path / "step.err").exists() else ""
+    assert "replacement for " in log, log + err
+    assert "replacement for \n" not in log, f"no address logged\n{log}{err}"
+    assert sorted(p.name for p in tmp_path.glob("done.*.json")) == [
+        "done.0.json",
+        "done.join.json",
+    ], log + err
+    survivor = json.loads((tmp_path / "done.0.json").read_text())
+    joiner = json.loads((tmp_path / "done.join.json").read_text())
+    # worlds: both tasks; task 0 alone from the commit of step 5; task 0 and
+    # the replacement, from the commit at which it was taken in
+    (w0, w1, w2) = survivor["worlds"]
+    assert (w0, w1) == ([0, 0, 2, 0], [1, 0, 1, 5])
+    regrown = w2[3]
+    assert w2 == [2, 0, 2, regrown]
+    assert regrown > 5
+    assert joiner["worlds"] == [[2, 1, 2, regrown]]
+    assert joiner["params"] == survivor["params"]
+    want = _elastic_reference(((2, 5), (1, regrown), (2, regrown + 5)))
+    for got, ref in zip(survivor["params"], want, strict=True):
+        assert got == pytest.approx(ref, abs=1e-6)
