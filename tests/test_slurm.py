@@ -255,6 +255,28 @@ def test_an_elastic_step_goes_on_when_a_task_is_killed(
     assert not _coordinators(cluster), "the coordinator sidecar outlived its session"
 
 
+def test_on_a_cluster_that_kills_on_bad_exit_the_guides_flag_keeps_the_survivor(
+    tmp_path: Path,
+) -> None:
+    """A site with ``KillOnBadExit=1``: a plain ``srun`` ends the whole step
+    when task 1 dies, survivor included (what the guide warns about); with
+    the guide's ``--kill-on-bad-exit=0`` the survivor goes on to the end."""
+    with SlurmCluster(kill_on_bad_exit=True) as strict:
+        plain, flagged = tmp_path / "plain", tmp_path / "flagged"
+        plain.mkdir()
+        flagged.mkdir()
+        argv = ["srun", "-N", "2", "-n", "2"]
+        ended = _submit(strict, plain, [*argv, "python", str(ELASTIC_JOB), "1"])
+        kept = _submit(
+            strict, flagged, [*argv, "--kill-on-bad-exit=0", "python", str(ELASTIC_JOB), "1"]
+        )
+    assert ended.returncode != 0
+    assert list(plain.glob("done.*.json")) == [], "the step was ended, survivor included"
+    assert "task 1: Killed" in kept.stderr, kept.stderr[-3000:]
+    report = json.loads((flagged / "done.0.json").read_text())
+    assert report["worlds"] == [[0, 0, 2, 0], [1, 0, 1, 5]]
+
+
 def test_an_elastic_step_takes_in_a_replacement_started_as_the_guide_says(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:

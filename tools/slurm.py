@@ -92,9 +92,17 @@ class SlurmCluster:
     and removes the directory, whatever state the cluster is in.
     """
 
-    def __init__(self, cpus_per_node: int | None = None, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        cpus_per_node: int | None = None,
+        start_timeout: float = 60.0,
+        *,
+        kill_on_bad_exit: bool = False,
+    ) -> None:
         self.cpus = cpus_per_node or os.cpu_count() or 1
         self.start_timeout = start_timeout
+        # KillOnBadExit=1, as some sites set it: a task's failure ends its step
+        self.kill_on_bad_exit = kill_on_bad_exit
         self.dir = Path()
         self.nodes = _Nodes()
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -234,6 +242,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
+KillOnBadExit={int(self.kill_on_bad_exit)}
 MinJobAge=16
 NodeName={n0} NodeAddr={a0} CPUs={self.cpus} State=UNKNOWN
 NodeName={n1} NodeAddr={a1} CPUs={self.cpus} State=UNKNOWN
