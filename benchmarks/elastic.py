@@ -181,17 +181,7 @@ with DistSession() as s:
 def _torchrun_round(steps: int, kill_at: int, step_ms: float, every: int) -> dict[str, float]:
     out = tempfile.mkdtemp(prefix="asyncdist-torchrun-")
     try:
-        script = Path(out, "worker.py")
-        script.write_text(
-            WORKER.format(
-                bench=str(Path(__file__).resolve().parent),
-                steps=steps,
-                kill_at=kill_at,
-                step_ms=step_ms,
-                every=every,
-                out=out,
-            )
-        )
+        script = _worker(WORKER, out, steps=steps, kill_at=kill_at, step_ms=step_ms, every=every)
         command = [
             sys.executable,
             "-m",
@@ -211,10 +201,7 @@ def _torchrun_round(steps: int, kill_at: int, step_ms: float, every: int) -> dic
         if done.returncode != 0:
             raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-3000:]}")
         killed = float(Path(out, "killed").read_text())
-        logs = []
-        for rank in range(WORLD):
-            lines = [line.split() for line in Path(out, f"done.{rank}").read_text().splitlines()]
-            logs.append([(int(a), float(b), int(c)) for a, b, c in lines])
+        logs = _logs(out)
         resumed = int(Path(out, "resumed.0").read_text().split()[-1])
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -296,16 +283,7 @@ def _torchft_round(steps: int, kill_at: int, step_ms: float) -> dict[str, float]
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        script = Path(out, "worker.py")
-        script.write_text(
-            TORCHFT_WORKER.format(
-                bench=str(Path(__file__).resolve().parent),
-                steps=steps,
-                kill_at=kill_at,
-                step_ms=step_ms,
-                out=out,
-            )
-        )
+        script = _worker(TORCHFT_WORKER, out, steps=steps, kill_at=kill_at, step_ms=step_ms)
         env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
         with open(Path(out, "log"), "wb") as log:
             for replica in range(WORLD):
@@ -318,10 +296,7 @@ def _torchft_round(steps: int, kill_at: int, step_ms: float) -> dict[str, float]
             tail = Path(out, "log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"torchft workers exited {codes}:\n{tail}")
         killed = float(Path(out, "killed").read_text())
-        logs = []
-        for replica in range(WORLD):
-            lines = [line.split() for line in Path(out, f"done.{replica}").read_text().splitlines()]
-            logs.append([(int(a), float(b), int(c)) for a, b, c in lines])
+        logs = _logs(out)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -337,6 +312,24 @@ def _torchft_round(steps: int, kill_at: int, step_ms: float) -> dict[str, float]
         "lost": max(kill_at - (after[1] - 1), 0),
         "step_s": _step_time(survivors, killed),
     }
+
+
+def _worker(template: str, out: str, **fields: object) -> Path:
+    """A worker script in ``out``: ``template`` filled with ``fields``, the
+    folder, and this folder's path (the script imports this module)."""
+    script = Path(out, "worker.py")
+    bench = str(Path(__file__).resolve().parent)
+    script.write_text(template.format(bench=bench, out=out, **fields))
+    return script
+
+
+def _logs(out: str) -> list[list[tuple[int, float, int]]]:
+    """Each rank's ``done.<rank>`` log: (step, time, attempt or participants)."""
+    logs = []
+    for rank in range(WORLD):
+        lines = [line.split() for line in Path(out, f"done.{rank}").read_text().splitlines()]
+        logs.append([(int(a), float(b), int(c)) for a, b, c in lines])
+    return logs
 
 
 def _free_port() -> int:
