@@ -242,6 +242,8 @@ def spawn(
 
     Raises:
         TypeError: ``fn`` cannot be pickled (a lambda or nested function).
+        ValueError: a bad ``world_size``, ``max_restarts``, ``min_world_size``
+            or ``max_world_size`` (nothing is started).
         RuntimeError: the ranks could not start because the main script calls
             spawn when it is imported (no ``if __name__ == "__main__":`` guard);
             raised as soon as the first rank exits.
