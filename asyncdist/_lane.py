@@ -119,6 +119,7 @@ class Lane:
             for kind in (("objects", "debug") if self.debug else ("objects",))
         }
         self._outstanding: collections.deque[Op] = collections.deque()
+        self._ended: BaseException | None = None  # ``interrupt``'s error
         self._verifier = Verifier(rank) if tree.debug else None
         self._closed = False
         self._issuer: IssuerKey | None = None  # who issued last
@@ -361,6 +362,8 @@ class Lane:
         else:
             self._issue_verified(op, spec, received, route)
         self._outstanding.append(op)
+        if self._ended is not None:  # ended while this launched: see ``interrupt``
+            op.interrupt(self._ended)
         tracer = self.tree.tracer
         if tracer is not None:
             described = spec.inputs if spec.described is None else spec.described
@@ -548,10 +551,17 @@ class Lane:
         """Break the tree with ``error`` and fail every outstanding op of this
         lane and the lanes inside it with it (an elastic world ended: nobody
         waits on a group that lost a member). The works stay where they are
-        until ``close``."""
+        until ``close``.
+
+        It runs on the watcher's thread, maybe while the program launches: a
+        launch releases the GIL inside torch, which is when a waiting thread
+        takes it. An op appended after the loop below copied the queue finds
+        ``_ended`` set and fails itself (``launch``); one appended before is
+        in the copy. Either way nothing waits on the ended world."""
+        self._ended = error
         self.health.record_fault(error)
         for op in list(self._outstanding):
-            op.fail(error)
+            op.interrupt(error)
         for child in self._children:
             child.interrupt(error)
 

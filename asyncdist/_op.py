@@ -231,6 +231,14 @@ class Op:
         if self._claim():
             self._set(None, error)
 
+    def interrupt(self, error: BaseException) -> None:
+        """Settle with ``error`` now, whatever the work does: its world ended
+        (``Lane.interrupt``). Unlike ``fail``, it does not wait for a claim:
+        a completer's thread claims a futureless op and then blocks in the
+        work, which ends only at the backend's timeout. The settling that
+        comes later finds the op settled and changes nothing."""
+        self._set(None, error)
+
     # -- inspection --------------------------------------------------------
 
     def done(self) -> bool:

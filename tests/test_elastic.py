@@ -723,6 +723,75 @@ def test_spawn_refuses_world_sizes_that_cannot_hold(kwargs: dict[str, Any], said
         spawn(_capped_rank, args=("",), **kwargs)
 
 
+# -- the end of a world wakes every waiter ----------------------------------------------------
+
+
+async def _ended_mid_launch(s: DistSession, folder: str) -> dict[str, Any]:
+    """World 0 ends while rank 0 launches an allreduce (its watcher hears
+    the end while rank 0 is inside torch's launch, as it happens when the
+    launch releases the GIL), and while rank 1 waits in a ``recv`` that no
+    send matches (on a completer's thread, which holds the op). Neither
+    collective is ever matched: only the interrupt can end them."""
+    from asyncdist import _wire
+    from asyncdist._membership import Coordinator, connect, coordinator_address, member_id
+
+    address = coordinator_address()
+    assert address is not None
+    coordinator = Coordinator(connect(address, TIMEOUT), member_id(), TIMEOUT)
+    state = s.elastic_state(step=0)
+    launch_rank, seen, real = s.rank, {}, _wire.issue
+
+    def ending_mid_issue(group: Any, spec: Any) -> Any:
+        work = real(group, spec)
+        if spec.op == "allreduce" and "issued" not in seen:
+            seen["issued"] = True
+            coordinator.end(0, "ended mid-launch")
+            deadline = time.monotonic() + TIMEOUT
+            while s._lane.health.fault is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # the watcher's thread interrupts the lane meanwhile
+        return work
+
+    async for world in s.elastic(state):
+        async with world:
+            if world.generation == 1:
+                total = await s.allreduce(torch.ones(1))  # the next world works
+                return {**seen, "total": total.item()}
+            if launch_rank == 0:
+                _wire.issue = ending_mid_issue
+                try:
+                    handle = s.allreduce(torch.ones(1))
+                finally:
+                    _wire.issue = real
+                seen["at_once"] = handle.done()
+                seen["error"] = type(handle.exception()).__name__
+                await anyio.to_thread.run_sync(_await_mark, folder, "recv")  # rank 1's ended too
+                await handle
+            else:
+                try:
+                    await s.recv(torch.zeros(1), src=0)
+                except BaseException as exc:
+                    seen["error"] = type(exc).__name__
+                    _mark(folder, "recv")
+                    raise
+    raise AssertionError("the elastic loop ended without world 1")
+
+
+@pytest.mark.timeout(60)
+def test_a_world_that_ends_mid_launch_fails_that_launch_and_a_completers_wait(
+    tmp_path: Any,
+) -> None:
+    """Without the launch's own look at the lane's end, rank 0's allreduce
+    stayed pending (the interrupt had copied the outstanding queue before it
+    was appended); without settling past a completer's claim, rank 1's recv
+    stayed pending until rank 0's group went."""
+    first, second = spawn(
+        _ended_mid_launch, 2, args=(str(tmp_path),), elastic=True, timeout=TIMEOUT
+    )
+    assert first["at_once"], "the allreduce launched as the world ended is failed at once"
+    assert first["error"] == second["error"] == "MembershipChanged"
+    assert first["total"] == second["total"] == 2.0
+
+
 # -- many re-forms: nothing of a world outlives it ------------------------------------------
 
 
@@ -800,6 +869,13 @@ QUICK = 3.0  # a short session timeout: a silent peer is found at this bound
 def _mark(folder: str, name: str, text: str = "") -> None:
     with open(os.path.join(folder, name), "w") as file:
         file.write(text)
+
+
+def _await_mark(folder: str, name: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not os.path.exists(os.path.join(folder, name)):
+        assert time.monotonic() < deadline, f"no {name} mark within {TIMEOUT:g} s"
+        time.sleep(0.02)
 
 
 async def _stopped_and_resumed(s: DistSession, folder: str) -> dict[str, Any]:
