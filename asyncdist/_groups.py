@@ -67,6 +67,13 @@ the tree's watchdog, joined; its outstanding handles forgotten; then
 handles let go of their works (a work keeps its group's transport alive).
 A side group's works carry no callbacks (its exchanges wait on them), so
 what holds it last is its lane or a completer thread, never gloo's own.
+
+What waits. Destroying is bookkeeping; what blocks is letting go of the
+last reference to a group (its lane's, and its works'): gloo's destructor
+waits for every collective it still runs, and one queued behind a failed
+collective ends only at its own timeout. An elastic world's end defers that
+part (``Lane.close(defer=True)``) until the next world is agreed on and
+formed, and before anything of it is restored.
 """
 
 from __future__ import annotations

@@ -575,15 +575,25 @@ class Lane:
         if self._notices is not None and not self._closed and self.health.fault is None:
             self._notices.post(self.health.rank, how)
 
-    def close(self) -> None:
+    def close(self, *, defer: bool = False) -> Callable[[], None]:
         """Release everything, in the order that keeps gloo from aborting
-        (the ``_groups`` module docstring says why). Closing twice is fine."""
+        (the ``_groups`` module docstring says why). Closing twice is fine.
+
+        Letting go of the works waits for them: gloo has no abort, and a
+        collective it still runs (one queued behind a failed one, say) ends
+        only at its own timeout. With ``defer`` (an elastic world's end) that
+        part is left to the callable returned, so the lane's groups are
+        gone at once and the next world can be agreed on and formed
+        meanwhile; the caller runs it before the new world uses anything an
+        old collective could still write. Without, it is done here and the
+        callable does nothing.
+        """
         if self._closed:
-            return
+            return _nothing
         self._closed = True
-        for child in list(self._children):
-            child.close()
-        self._completer.close(timeout=self.timeout)
+        children = [child.close(defer=defer) for child in list(self._children)]
+        if not defer:
+            self._completer.close(timeout=self.timeout)
         if self._parent is None:
             self.tree.close()  # the tree's watchdog: the root closes last
         else:
@@ -592,16 +602,35 @@ class Lane:
         self._outstanding.clear()
         side, self._side = list(self._side.values()), {}
         _groups.destroy(self._owns, self.group, side)
-        # Once the groups are gone, handles the program (or a fault's traceback)
-        # still holds let go of their works, which keep gloo's transport alive.
-        for op in handles:
-            op.release(self.health.fault)
+        completer, health, timeout = self._completer, self.health, self.timeout
+        # the group itself: its last reference going waits for its works
+        kept: list[Any] = [self.group, self.routes]
+
+        def release() -> None:
+            for finish in children:
+                finish()
+            if defer:
+                completer.close(timeout=timeout)
+            # Once the groups are gone, handles the program (or a fault's
+            # traceback) still holds let go of their works, which keep gloo's
+            # transport alive.
+            for op in handles:
+                op.release(health.fault)
+            kept.clear()
+
+        if not defer:
+            release()
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
         if self._parent is None and self._notices is not None:
             self._notices.release()  # no handle keeps the store (or its port) alive
         self.group = None
         self.routes = {}  # nor a route its group
+        return release if defer else _nothing
+
+
+def _nothing() -> None:
+    """What is left of a close that deferred nothing."""
 
 
 def _receiving(spec: Spec[T]) -> tuple[list[Any], Callable[[], T]]:

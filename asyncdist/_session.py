@@ -736,10 +736,14 @@ class DistSession(Collectives):
         for child in list(self._children):
             child._teardown()
         names = self._channels.names()
-        # the old world's groups go: gloo has no abort, but a dead peer's
-        # connections are closed, so its ops have failed already (a silent
-        # peer's end at the session timeout, which bounds this)
-        old.close()
+        # The old world's groups go now; their collectives may still run (gloo
+        # has no abort: one queued behind a failed one ends at its own
+        # timeout). This rank reports and the next world forms meanwhile, so
+        # a late end here does not make this rank's report late; the works
+        # are let go of before returning, before anything of the new world is
+        # restored, since a collective that still completes (with a resumed
+        # peer of a world of two) writes into the tensors it was given.
+        release = old.close(defer=True)
         try:
             decision = membership.reform(reason, old.rank, state.commits, names)
             rank = decision.members.index(membership.me)
@@ -751,6 +755,8 @@ class DistSession(Collectives):
             old.health.record_fault(lost)
             old.health.mark_seen(lost)
             raise lost from (None if lost is exc else exc)
+        finally:
+            release()
 
     # -- tracing ------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from _stall import STALL_BOUND, no_stall
 
 from asyncdist import (
     AsyncDistError,
+    CollectiveTimeout,
     DistSession,
     InitError,
     MembershipLost,
@@ -361,6 +362,37 @@ def test_an_elastic_world_that_does_not_form_leaves_no_watcher_behind(
     left = [t.name for t in threading.enumerate() if t.name.startswith("asyncdist-elastic")]
     assert left == []
     assert [k for k in keys.list_keys() if k.startswith("dead/")], "its exit is written"
+
+
+def _closes_without_waiting(s: DistSession) -> dict[str, Any] | None:
+    if s.rank == 1:
+        time.sleep(2 * QUICK_CLOSE + 1)  # silent: rank 0's allreduce ends at its timeout
+        return None
+    handle = s.allreduce(torch.ones(4))
+    lane = s._lane
+    assert lane is not None
+    started = time.monotonic()
+    release = lane.close(defer=True)
+    closed = time.monotonic() - started
+    release()
+    released = time.monotonic() - started
+    with pytest.raises(CollectiveTimeout):
+        handle.wait()  # (seen: the session's exit has nothing to report)
+    return {"closed": closed, "released": released}
+
+
+QUICK_CLOSE = 2.0
+
+
+def test_an_ended_worlds_groups_go_at_once_and_its_works_are_waited_for_after() -> None:
+    """What a re-form does with the world that ended (``Lane.close(defer=
+    True)``): an allreduce a silent peer never joins is still running, yet
+    the groups go at once, so the rank reports and the next world forms
+    meanwhile; letting go of the works (before anything is restored) is what
+    waits, until the allreduce's own timeout."""
+    first, _ = spawn(_closes_without_waiting, 2, timeout=QUICK_CLOSE)
+    assert first["closed"] < 0.5, first
+    assert first["released"] > QUICK_CLOSE * 0.75, first
 
 
 def test_elastic_calls_on_a_plain_session_say_it_is_not_elastic() -> None:
