@@ -699,6 +699,12 @@ class Membership:
                 f"max_world_size={self.max_world_size}; launch at most that many (more "
                 "processes can join later as spares, with ASYNCDIST_ELASTIC_JOIN=1)"
             )
+        if not joins and env.world_size < self.min_world_size:
+            raise ValueError(
+                f"rank {env.rank}: the launch started {env.world_size} ranks, fewer than "
+                f"min_world_size={self.min_world_size}, so the first world would already be "
+                "too small; launch at least that many, or lower min_world_size"
+            )
         if hosts:
             self._sidecar = start_sidecar(address[1], wanted.timeout)
             logger.info(

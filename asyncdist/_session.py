@@ -108,7 +108,8 @@ class DistSession(Collectives):
             sessions" guide). Needs a coordinator that outlives the ranks
             (``spawn(..., elastic=True)``); gloo on CPU.
         min_world_size: (elastic) the fewest ranks a world may have; below it
-            the session ends with ``MembershipLost``.
+            the session ends with ``MembershipLost``. A launch of fewer
+            ranks raises ``ValueError`` at entry.
         max_world_size: (elastic) the most ranks a world may have (``None``:
             no cap). Joiners beyond it wait as spares, and are taken in when
             a member dies; a launch of more ranks raises ``ValueError`` at

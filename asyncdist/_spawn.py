@@ -228,7 +228,8 @@ def spawn(
         elastic: each session is ``DistSession(elastic=True, min_world_size=...)``
             and this process is their coordinator: a rank's death is told to
             the others (who re-form without it) instead of ending the run.
-        min_world_size: (elastic) the fewest ranks a world may have.
+        min_world_size: (elastic) the fewest ranks a world may have (at most
+            ``world_size``).
         max_world_size: (elastic) the most ranks a world may have (at least
             ``world_size``; ``None``: no cap).
         max_restarts: (elastic) how many dead ranks, in all, are replaced by a
@@ -278,6 +279,8 @@ def spawn(
     check_world_sizes(elastic, min_world_size, max_world_size)
     if max_world_size is not None and world_size > max_world_size:
         raise ValueError(f"world_size={world_size} is above max_world_size={max_world_size}")
+    if elastic and world_size < min_world_size:
+        raise ValueError(f"world_size={world_size} is below min_world_size={min_world_size}")
     if elastic:
         options |= {
             "elastic": True,

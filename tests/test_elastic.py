@@ -746,6 +746,7 @@ def test_a_spare_waits_while_the_world_is_full_and_takes_a_dead_ranks_place(
     ("kwargs", "said"),
     [
         ({"world_size": 3, "elastic": True, "max_world_size": 2}, "above max_world_size"),
+        ({"world_size": 2, "elastic": True, "min_world_size": 3}, "below min_world_size"),
         ({"world_size": 2, "min_world_size": 2}, "pass elastic=True"),
         ({"world_size": 2, "max_world_size": 4}, "pass elastic=True"),
     ],
@@ -822,6 +823,25 @@ def test_a_world_that_ends_mid_launch_fails_that_launch_and_a_completers_wait(
     assert first["at_once"], "the allreduce launched as the world ended is failed at once"
     assert first["error"] == second["error"] == "MembershipChanged"
     assert first["total"] == second["total"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("launched", "bounds", "said"),
+    [
+        ("1", {"min_world_size": 2}, "fewer than min_world_size=2"),
+        ("3", {"max_world_size": 2}, "more than max_world_size=2"),
+    ],
+)
+def test_an_elastic_session_refuses_a_launch_outside_its_bounds_at_entry(
+    monkeypatch: pytest.MonkeyPatch, launched: str, bounds: dict[str, int], said: str
+) -> None:
+    """Launched by hand (or torchrun): the entry refuses before it reaches the
+    coordinator (none listens at this address) or starts anything."""
+    monkeypatch.setenv("ASYNCDIST_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", launched)
+    with pytest.raises(ValueError, match=said), DistSession(elastic=True, timeout=3, **bounds):
+        pass
 
 
 # -- many re-forms: nothing of a world outlives it ------------------------------------------
