@@ -492,9 +492,16 @@ class Coordinator:
                     joiners=self.joiners(members),
                     max_world_size=max_world_size,
                 )
-                text = proposal.encode() if isinstance(proposal, Decision) else _failure(proposal)
-                decided = _decoded(generation + 1, self.create(key, text))
-                break
+                if isinstance(proposal, Decision):
+                    decided = _decoded(generation + 1, self.create(key, proposal.encode()))
+                    break
+                if everyone or now >= deadline:
+                    decided = _decoded(generation + 1, self.create(key, _failure(proposal)))
+                    break
+                # Late, and no world yet: a missing member may still report,
+                # or be known gone once its heartbeat stood still for the
+                # timeout (a death no launcher tells); wait for that, or the
+                # deadline, before ending everyone's session.
             if now >= deadline + REFORM_GRACE:
                 raise MembershipLost(
                     f"world {generation + 1} was not agreed on within "

@@ -529,6 +529,32 @@ def test_joins_are_settled_in_order_and_their_keys_deleted() -> None:
     assert join_keys() == []
 
 
+@pytest.mark.timeout(30)
+def test_a_survivor_waits_for_a_dead_members_heartbeat_before_it_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A world of two whose other member died where no launcher tells the
+    coordinator (torchrun across two nodes): past the grace the survivor is
+    alone, no strict majority of two. It must not end everyone's session
+    then, but wait until the dead member's heartbeat has stood still for
+    the timeout, which makes it known gone, and go on alone. (It ended with
+    MembershipLost at the grace, whenever the timeout was longer.)"""
+    import torch.distributed as dist
+
+    from asyncdist import _membership
+    from asyncdist._membership import Coordinator
+
+    monkeypatch.setattr(_membership, "REFORM_GRACE", 0.3)
+    store = dist.HashStore()
+    store.add("hb/b", 7)  # b beat, then died
+    started = time.monotonic()
+    decided = Coordinator(store, "a", 1.0).reform(
+        0, ["a", "b"], Report("a", 0, 2), min_world_size=1, channels=[], reason="b died"
+    )
+    assert decided.members == ("a",)
+    assert 1.0 <= time.monotonic() - started < 1.3 + 1.0  # the timeout, within the deadline
+
+
 def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
     """The worlds are formed on a worker thread (``Worlds.__anext__``): the
     first world's state broadcast waits for a late peer without stalling."""
