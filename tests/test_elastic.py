@@ -1114,34 +1114,28 @@ def _partition(tmp_path: Any, *, spare_coordinator: bool) -> tuple[list[Any], fl
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_partition_leaves_the_majority_training_and_ends_the_cut_off_rank(
-    tmp_path: Any,
+@pytest.mark.parametrize(
+    ("spare_coordinator", "told"),
+    [(False, "coordinator"), (True, "evicted")],
+    ids=["cut-from-the-coordinator", "the-coordinator-spans-the-cut"],
+)
+def test_a_partition_leaves_the_connected_majority_training_and_ends_the_cut_off_rank(
+    tmp_path: Any, spare_coordinator: bool, told: str
 ) -> None:
-    """The two on the coordinator's host go on as a world of 2; rank 2, cut
-    off from its peers and the coordinator alike, ends with
-    MembershipLost("coordinator"): never two worlds at once."""
-    (majority, other, cut_off), cut, bound = _partition(tmp_path, spare_coordinator=False)
+    """The two on the coordinator's host go on as a world of 2; never two
+    worlds at once. Rank 2, cut off from its peers and (first case) the
+    coordinator alike, ends with MembershipLost("coordinator"). When every
+    rank still reaches the coordinator (second case), rank 2 reports too:
+    the probes show it reaches neither peer, the two that reach each other
+    go on (a world of all three would never form), and rank 2 is told it
+    was left out (MembershipLost("evicted"))."""
+    (majority, other, cut_off), cut, bound = _partition(
+        tmp_path, spare_coordinator=spare_coordinator
+    )
     assert majority["worlds"] == other["worlds"] == [[0, 3], [1, 2]]
     assert majority["params"] == other["params"]
     assert cut_off["worlds"] == [[0, 3]]
-    assert cut_off["lost"] == "coordinator"
-    assert cut_off["t"] - cut < bound
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_partition_the_coordinator_spans_leaves_the_connected_majority_training(
-    tmp_path: Any,
-) -> None:
-    """The same cut, but every rank still reaches the coordinator, so rank 2
-    reports too: the probes show it reaches neither peer, the two that reach
-    each other go on as a world of 2 (a world of all three would never
-    form), and rank 2 is told it was left out (MembershipLost("evicted"))."""
-    (majority, other, cut_off), cut, bound = _partition(tmp_path, spare_coordinator=True)
-    assert majority["worlds"] == other["worlds"] == [[0, 3], [1, 2]]
-    assert majority["params"] == other["params"]
-    assert cut_off["worlds"] == [[0, 3]]
-    assert cut_off["lost"] == "evicted"
+    assert cut_off["lost"] == told
     assert cut_off["t"] - cut < bound
 
 
