@@ -162,17 +162,8 @@ class Collectives:
         comm = self._usable(name)
         route = self._routed(comm, tensor, name)  # the hot path: the route is resolved once
         reduction = _ops.reduction(op, tensor.dtype, backend=route.backend, collective=name)
-        return comm.launch(
-            Spec(
-                name,
-                "allreduce",
-                _ops.averaged(tensor, reduction, comm.world_size),
-                inputs=(_ops.wire(tensor),),
-                reduce=reduction,
-                described=(tensor,),
-            ),
-            route,
-        )
+        finish = _ops.averaged(tensor, reduction, comm.world_size)
+        return comm.launch_allreduce(name, tensor, reduction, route, finish)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Handle[torch.Tensor]:
         """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank.

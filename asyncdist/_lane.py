@@ -17,7 +17,9 @@ what to issue (which call, which tensors, reduce op, root) and how to finish
 (the step that turns the completed work into the handle's result). One
 ``Lane.launch`` issues every spec the same way, through ``_wire`` (the only
 module that calls torch collectives), so tracing and debug verification
-cover every op alike.
+cover every op alike. The one exception is the hot path of small
+collectives: ``Lane.launch_allreduce`` issues an allreduce without a spec,
+and hands it to ``launch`` as one whenever a tracer or debug mode is on.
 
 ``Lane.leave`` tells the peers this rank leaves on purpose; ``Lane.close``
 tears the lane down in the order gloo needs, which the ``_groups`` module
@@ -347,27 +349,72 @@ class Lane:
         exchange = _wire.is_exchange(spec)
         if route is None and not exchange:
             route = self._route_of(spec)
-        self._retire()
-        issuer = issuer_key()
-        if issuer != self._issuer:
-            self._switch_issuer(issuer, spec.op)
         received: list[Any] | None = None
-        finish: Callable[[], Any] = spec.finish
+        finish: Callable[..., Any] = spec.finish
         if exchange:
             received, finish = _receiving(spec)
-        self._issued += 1
-        op = Op(spec.op, self.health, finish, self._notices, self._issued)
+        op = self._new_op(spec.op, finish)
         if self._verifier is None:
             self._issue(op, spec, received, route)
         else:
             self._issue_verified(op, spec, received, route)
-        self._outstanding.append(op)
-        if self._ended is not None:  # ended while this launched: see ``interrupt``
-            op.interrupt(self._ended)
         tracer = self.tree.tracer
         if tracer is not None:
             described = spec.inputs if spec.described is None else spec.described
             tracer.record(op, _ops.nbytes(described) + len(spec.payload))
+        return self._launched(op)
+
+    def launch_allreduce(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        reduction: _ops.Reduction,
+        route: Route,
+        finish: Callable[[], T],
+    ) -> Handle[T]:
+        """``launch`` of the allreduce of ``tensor`` in place (checked, on
+        ``route``), the collective programs issue most, in bursts of small
+        ones: without a ``Spec`` unless a tracer or debug mode needs one
+        (building it, and dispatching on it, cost about a tenth of a small
+        allreduce's issuing; ``benchmarks/scaling.py``).
+
+        Raises:
+            as ``launch``.
+        """
+        wire = _ops.wire(tensor)
+        if self._verifier is not None or self.tree.tracer is not None:
+            spec = Spec(
+                name, "allreduce", finish, inputs=(wire,), reduce=reduction, described=(tensor,)
+            )
+            return self.launch(spec, route)
+        op = self._new_op(name, finish)
+        try:
+            work = _wire.allreduce(route.group, wire, reduction)
+        except (RuntimeError, ValueError) as exc:
+            # refused by torch before anything reached the wire
+            raise self.health.translate(exc, op=name, left=op.departure_reader()) from exc
+        op.attach(work, streamed=route.backend == "nccl")
+        return self._launched(op)
+
+    def _new_op(self, name: str, finish: Callable[..., Any]) -> Op:
+        """The record of the next collective of this lane, once the issuer
+        may issue it.
+
+        Raises:
+            CollectiveMismatch: another task issues while this one's are outstanding.
+        """
+        self._retire()
+        issuer = issuer_key()
+        if issuer != self._issuer:
+            self._switch_issuer(issuer, name)
+        self._issued += 1
+        return Op(name, self.health, finish, self._notices, self._issued)
+
+    def _launched(self, op: Op) -> Handle[Any]:
+        """Queue ``op``, issued, as outstanding; its handle."""
+        self._outstanding.append(op)
+        if self._ended is not None:  # ended while this launched: see ``interrupt``
+            op.interrupt(self._ended)
         return handle_of(op)
 
     def _retire(self) -> None:

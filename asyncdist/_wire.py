@@ -115,24 +115,39 @@ class Spec(Generic[T]):
 
 def _allreduce(group: Any, spec: Spec[Any]) -> Any:
     assert spec.reduce is not None
+    return allreduce(group, spec.inputs[0], spec.reduce)
+
+
+def allreduce(group: Any, tensor: torch.Tensor, reduction: _ops.Reduction) -> Any:
+    """Launch the allreduce of ``tensor`` in place on ``group`` (``async_op=True``,
+    checked by the caller) and return torch's work; ``Lane.launch_allreduce``'s
+    way around a ``Spec``.
+
+    Raises:
+        RuntimeError, ValueError: torch refused the call before anything was sent.
+    """
     # The ProcessGroup method directly: dist.all_reduce re-does the checks the
     # collectives made already and costs ~10 µs a call.
-    return group.allreduce([spec.inputs[0]], _allreduce_options(spec.reduce.wire_op))
+    return group.allreduce([tensor], _allreduce_options(reduction.wire_op))
 
 
 # Options objects by reduce op, made once: torch copies what it needs from
 # them at the call, and making one (its ReduceOp converted from the enum
-# value) costs a few µs of the hot path.
-_ALLREDUCE_OPTIONS: dict[Any, Any] = {}
+# value) costs a few µs of the hot path. Keyed by identity: a wire op is one
+# of ``ReduceOp``'s class attributes (``_ops._resolve``), which live as long
+# as torch does, and hashing one (a pybind enum) costs more than the rest of
+# the lookup; the entry keeps its op, so an id is only ever trusted for it.
+_ALLREDUCE_OPTIONS: dict[int, tuple[Any, Any]] = {}
 
 
 def _allreduce_options(wire_op: Any) -> Any:
-    options = _ALLREDUCE_OPTIONS.get(wire_op)
-    if options is None:
-        options = dist.AllreduceOptions()
-        options.reduceOp = wire_op
-        options.asyncOp = True
-        _ALLREDUCE_OPTIONS[wire_op] = options
+    entry = _ALLREDUCE_OPTIONS.get(id(wire_op))
+    if entry is not None and entry[0] is wire_op:
+        return entry[1]
+    options = dist.AllreduceOptions()
+    options.reduceOp = wire_op
+    options.asyncOp = True
+    _ALLREDUCE_OPTIONS[id(wire_op)] = (wire_op, options)
     return options
 
 

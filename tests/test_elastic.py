@@ -798,11 +798,11 @@ async def _ended_mid_launch(s: DistSession, folder: str) -> dict[str, Any]:
     assert address is not None
     coordinator = Coordinator(connect(address, TIMEOUT), member_id(), TIMEOUT)
     state = s.elastic_state(step=0)
-    launch_rank, seen, real = s.rank, {}, _wire.issue
+    launch_rank, seen, real = s.rank, {}, _wire.allreduce
 
-    def ending_mid_issue(group: Any, spec: Any) -> Any:
-        work = real(group, spec)
-        if spec.op == "allreduce" and "issued" not in seen:
+    def ending_mid_issue(group: Any, tensor: Any, reduction: Any) -> Any:
+        work = real(group, tensor, reduction)
+        if "issued" not in seen:
             seen["issued"] = True
             coordinator.end(0, "ended mid-launch")
             deadline = time.monotonic() + TIMEOUT
@@ -816,11 +816,11 @@ async def _ended_mid_launch(s: DistSession, folder: str) -> dict[str, Any]:
                 total = await s.allreduce(torch.ones(1))  # the next world works
                 return {**seen, "total": total.item()}
             if launch_rank == 0:
-                _wire.issue = ending_mid_issue
+                _wire.allreduce = ending_mid_issue
                 try:
                     handle = s.allreduce(torch.ones(1))
                 finally:
-                    _wire.issue = real
+                    _wire.allreduce = real
                 seen["at_once"] = handle.done()
                 seen["error"] = type(handle.exception()).__name__
                 await anyio.to_thread.run_sync(_await_mark, folder, "recv")  # rank 1's ended too

@@ -7,8 +7,10 @@ properties those costs rest on, each able to fail on the code before them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch
 from asyncdist import DistSession, _lane
 from asyncdist._collectives import lane_of
 from asyncdist._handle import op_of
+from asyncdist.errors import CollectiveError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,3 +76,32 @@ def test_past_the_backlog_a_launch_settles_the_oldest(monkeypatch: pytest.Monkey
         s.allreduce(torch.ones(1)).wait()
         assert len(lane.drain()) <= 2
         assert all(h.done() and h.exception() is None for h in handles)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["plain", "traced"])
+def test_an_allreduce_torch_refuses_raises_an_asyncdist_error_and_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, traced: bool
+) -> None:
+    """Both ways an allreduce launches (without a ``Spec``, and with one
+    under a tracer): torch refusing the call raises a ``CollectiveError``
+    naming the op, not a bare ``RuntimeError``; nothing stays outstanding,
+    and the next allreduce works."""
+    from asyncdist import _wire
+
+    real = _wire.allreduce
+
+    def refusing(group: Any, tensor: torch.Tensor, reduction: Any) -> Any:
+        raise RuntimeError("refused for the test")
+
+    with DistSession() as s, contextlib.ExitStack() as stack:
+        if traced:
+            stack.enter_context(s.trace(tmp_path / "trace.json"))
+        lane = lane_of(s)
+        assert lane is not None
+        monkeypatch.setattr(_wire, "allreduce", refusing)
+        with pytest.raises(CollectiveError, match="allreduce on rank 0 failed") as info:
+            s.allreduce(torch.ones(2))
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert lane.drain() == []
+        monkeypatch.setattr(_wire, "allreduce", real)
+        assert s.allreduce(torch.ones(2)).wait().tolist() == [1.0, 1.0]
