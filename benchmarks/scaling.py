@@ -223,7 +223,7 @@ def _memory(session: Any, store: Any, counts: list[int]) -> dict[str, Any]:
 
     group = session.group
     out: dict[str, Any] = {}
-    for n in counts:
+    for n in [n for n in counts if n > 0]:  # 0: skip
         grown: dict[str, list[float]] = {"raw": [], "ad": [], "raw_rss": [], "ad_rss": []}
         first = 0 if n == counts[0] else 1  # round 0 (the first count only) warms up
         for r in range(first, MEMORY_ROUNDS + 1):  # steady from round to round: few do
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bursts", type=_ints, default=BURSTS, help="burst sizes")
     parser.add_argument("--handles", type=int, default=HANDLES, help="for wait_all (0: skip)")
-    parser.add_argument("--memory", type=_ints, default=MEMORY, help="outstanding counts")
+    parser.add_argument("--memory", type=_ints, default=MEMORY, help="outstanding counts (0: skip)")
     parser.add_argument("--smoke", action="store_true", help="a smoke run: goals not judged")
     args = parser.parse_args(argv)
     import asyncdist
