@@ -341,7 +341,7 @@ def _ddp_config(
     # compute alone (forward, and forward with backward; no communication) and
     # communication alone (one allreduce of every gradient, float32 and bfloat16)
     forward, compute = [], []
-    for _ in range(5):
+    for _ in range(9):
         t0 = time.perf_counter()
         with syncs["sync"].no_sync():
             loss = torch.nn.functional.cross_entropy(models["sync"](x), y)
@@ -353,7 +353,7 @@ def _ddp_config(
     for sync in syncs.values():
         sync.remove()
     params = sum(p.numel() for p in base.parameters())
-    comm = {}
+    comm, least = {}, {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         flat = torch.zeros(params, dtype=dtype)
         times = []
@@ -363,6 +363,7 @@ def _ddp_config(
             s.allreduce(flat, op="sum").wait()
             times.append(time.perf_counter() - t0)
         comm[name] = statistics.median(times)
+        least[name] = min(times)
     # the same float32 allreduce while this rank's main thread runs the
     # optimizer, as step overlap does: on a machine whose cores the ranks'
     # compute and their gloo threads share, communication slows down
@@ -392,8 +393,10 @@ def _ddp_config(
             "communication": comm["bfloat16" if arm.endswith(("bf16", "both")) else "float32"],
         }
     # no exact arm's step can be shorter: the first gradient needs the forward,
-    # the last average every gradient's allreduce, and the update the averages
-    floor = max(compute_s, forward_s + comm["float32"]) + breakdown["sync"]["optimizer"]
+    # the last average every gradient's allreduce, and the update the averages.
+    # Each part is its least sample: a bound must not rise with the noise (the
+    # median of 5 compute samples once came out above DDP's whole step)
+    floor = max(min(compute), min(forward) + least["float32"]) + breakdown["sync"]["optimizer"]
     steps = {arm: [x["step"] for x in samples[arm]] for arm in arms}
 
     def paired(arm: str, base: str) -> float:
