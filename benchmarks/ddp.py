@@ -16,10 +16,9 @@ Goals (issue 25), each over every configuration, ratios the worse of the two
 ranks: plain gradient_sync <= 0.97x DDP where the floor allows it (the floor:
 the forward, every gradient's allreduce as measured alone, then the
 optimizer, each the least of its samples: no exact arm's step is shorter);
-its backward phase <= 1.15x
-DDP's (the "cpu" column beside it: the main thread's CPU time in that
-phase, over DDP's; the rest is waiting for a core); bf16 <= 1.00x DDP +
-bf16 hook; step overlap hides >= 80 % of the optimizer's time where
+its backward phase <= 1.15x DDP's (the "cpu" column beside it: the main
+thread's CPU time in that phase, over DDP's; the rest is waiting for a
+core); bf16 <= 1.00x DDP + bf16 hook; step overlap hides >= 80 % of the optimizer's time where
 communication exceeds it (and the optimizer is at least 5 % of the step,
 so that what it saves stands out of the noise). On
 the first configuration (issue 14): bf16 <= 0.65x DDP; step overlap + bf16

@@ -223,7 +223,8 @@ def _memory(session: Any, store: Any, counts: list[int]) -> dict[str, Any]:
 
     group = session.group
     out: dict[str, Any] = {}
-    for n in [n for n in counts if n > 0]:  # 0: skip
+    counts = [n for n in counts if n > 0]  # 0: skip (and the first kept count warms up)
+    for n in counts:
         grown: dict[str, list[float]] = {"raw": [], "ad": [], "raw_rss": [], "ad_rss": []}
         first = 0 if n == counts[0] else 1  # round 0 (the first count only) warms up
         for r in range(first, MEMORY_ROUNDS + 1):  # steady from round to round: few do
