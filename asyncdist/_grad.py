@@ -105,6 +105,7 @@ class Options:
         cls,
         module: torch.nn.Module,
         *,
+        device: torch.device,
         bucket_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         op: _ops.ReduceOpLike = "mean",
@@ -113,8 +114,9 @@ class Options:
         clip_grad_norm: float | None = None,
         broadcast_buffers: bool = True,
     ) -> Options:
-        """Raises TypeError / ValueError naming the bad argument, or
-        AsyncDistError when another live GradientSync covers the module."""
+        """Raises TypeError / ValueError naming the bad argument (a parameter
+        off the session's ``device`` too), or AsyncDistError when another
+        live GradientSync covers the module."""
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
                 f"gradient_sync: module must be a torch.nn.Module, not {type(module).__name__}"
@@ -133,8 +135,14 @@ class Options:
             )
         seen: set[int] = set()
         params: list[torch.nn.Parameter] = []
-        for param in module.parameters():
+        for name, param in module.named_parameters():
             if param.requires_grad and id(param) not in seen:
+                if param.device != device:  # its buckets live on the session's device
+                    raise ValueError(
+                        f"gradient_sync: parameter {name!r} of {type(module).__name__} is on "
+                        f"{param.device}, but this session's device is {device}; move the "
+                        f"model first (model.to({str(device)!r}))"
+                    )
                 seen.add(id(param))
                 params.append(param)
         if clip_grad_norm is not None:
@@ -411,7 +419,9 @@ class GradientSync:
       backwards, run all but the last inside ``with sync.no_sync():``;
     * with ``optimizer=``, ``opt.step()`` is the sync's to call: a manual one
       in a step that a backward has reached, or after the sync stepped, raises;
-    * one live sync per parameter and per optimizer.
+    * one live sync per parameter and per optimizer;
+    * the parameters keep the dtype and device they had when the sync was
+      made (on the session's device): convert or move the model first.
 
     Module buffers (BatchNorm's running statistics, anything registered with
     ``register_buffer``) are rank 0's on every rank once a synced step is
@@ -548,12 +558,35 @@ class GradientSync:
     def _begin(self) -> None:
         """A synced step starts: launch the buffer broadcast ahead of its
         buckets (rank 0's buffers as the forward left them; backward does not
-        change buffers, and this copy is what every rank holds afterwards)."""
+        change buffers, and this copy is what every rank holds afterwards).
+
+        Raises:
+            AsyncDistError: a parameter changed dtype or device since the
+                buckets were built (nothing of this step is launched).
+        """
+        self._check_parameters()
         self._phase = _Phase.LAUNCHED
         if self._options.broadcast_buffers and self._carrier.world_size > 1:
             buffers = [b.data for b in self._module.buffers()]
             if buffers:
                 self._buffers = self._broadcast(buffers, src=0)
+
+    def _check_parameters(self) -> None:
+        """Refuse a step whose parameters no longer match their slots: the
+        model was converted (``.double()``, ``.to(dtype)``) or moved after the
+        sync was made, and averaged gradients could not be handed back."""
+        for param, (bucket, slot) in zip(self._params, self._where, strict=True):
+            target = bucket.slots[slot]
+            if param.dtype == target.dtype and param.device == target.device:
+                continue
+            name = next(n for n, p in self._module.named_parameters() if p is param)
+            raise AsyncDistError(
+                f"{self._name} on rank {self._carrier.rank}: parameter {name!r} is now "
+                f"{param.dtype} on {param.device}, but the sync was made for {target.dtype} "
+                f"on {target.device}. Convert or move the model before "
+                f"`s.gradient_sync(model)` (or remove() this sync and make a new one). "
+                f"Nothing of this step was launched"
+            )
 
     def _launch_ready(self, *, everything: bool = False) -> None:
         """Launch buckets in order while the next one is complete (with step

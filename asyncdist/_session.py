@@ -519,8 +519,9 @@ class DistSession(Collectives):
         ``bf16_compress_hook``/``fp16_compress_hook``). Off by default.
 
         Raises:
-            TypeError, ValueError: not a module, a bad bucket size, op,
-                compression or clip, or an optimizer that is not a per-parameter
+            TypeError, ValueError: not a module, a parameter off the
+                session's device, a bad bucket size, op, compression or clip,
+                or an optimizer that is not a per-parameter
                 ``torch.optim.Optimizer`` over the module's parameters. Raised
                 before anything is launched.
             AsyncDistError: a live GradientSync already covers one of the
@@ -529,6 +530,7 @@ class DistSession(Collectives):
         self._usable("gradient_sync")
         options = Options.checked(
             module,
+            device=self.device,
             bucket_mb=bucket_mb,
             first_bucket_mb=first_bucket_mb,
             op=op,

@@ -215,6 +215,70 @@ def test_a_second_live_sync_over_the_same_parameters_or_optimizer_is_refused() -
     assert all("remove()" in m for m in messages)
 
 
+# -- parameters that no longer fit their buckets --------------------------------------------
+
+
+async def _converted_after_the_sync(s: DistSession, how: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = s.gradient_sync(model)
+    _loss(model, s.rank, 0).backward()
+    await _wait(sync, how)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    out: dict[str, Any] = {}
+    model.double()  # after the sync was made: its buckets are float32
+    x, y = _batch(s.rank, 1)
+    try:
+        torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+    except AsyncDistError as exc:
+        out["backward"] = str(exc)
+    out["pending_after"] = sync.pending
+    try:
+        await _wait(sync, how)  # a step with no synced backward checks too
+    except AsyncDistError as exc:
+        out["wait"] = str(exc)
+    # converted back, training goes on: nothing of the refused steps was launched
+    model.float()
+    opt.zero_grad(set_to_none=True)
+    for step in range(2, 4):
+        _loss(model, s.rank, step).backward()
+        await _wait(sync, how)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["agree"] = _same_everywhere(s, list(model.parameters()))
+    return out
+
+
+@pytest.mark.parametrize(("how", "backend"), [("sync", "asyncio"), ("await", "trio")])
+def test_a_model_converted_after_its_sync_is_refused_before_anything_launches(
+    how: str, backend: str
+) -> None:
+    for rank, r in enumerate(_spawn(_converted_after_the_sync, 2, how, backend)):
+        for key in ("backward", "wait"):
+            message = r.get(key, "")
+            assert "gradient_sync of BNNet (0x" in message, (rank, key, r)
+            assert f"on rank {rank}: parameter 'a.weight' is now torch.float64" in message
+            assert "made for torch.float32 on cpu" in message
+            assert "before `s.gradient_sync(model)`" in message
+            assert "Nothing of this step was launched" in message
+        assert r["pending_after"] is False, rank
+        assert r["agree"], rank
+
+
+def test_a_parameter_off_the_sessions_device_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
+    with DistSession() as s:
+        with pytest.raises(ValueError, match="is on meta") as info:
+            s.gradient_sync(model)
+        # refused before anything was formed or launched: the model is free
+        model.to_empty(device="cpu")
+        s.gradient_sync(model).remove()
+    assert "parameter '0.weight' of Sequential is on meta" in str(info.value)
+    assert "this session's device is cpu; move the model first (model.to('cpu'))" in str(info.value)
+
+
 # -- hooks end with their session -----------------------------------------------------------
 
 
