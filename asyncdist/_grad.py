@@ -420,19 +420,20 @@ class GradientSync:
     * with ``optimizer=``, ``opt.step()`` is the sync's to call: a manual one
       in a step that a backward has reached, or after the sync stepped, raises;
     * one live sync per parameter and per optimizer;
-    * the parameters keep the dtype and device they had when the sync was
-      made (on the session's device): convert or move the model first.
+    * the parameters keep the dtype, device and ``requires_grad`` they had
+      when the sync was made (on the session's device): convert, move, freeze
+      or unfreeze the model first.
 
     Module buffers (BatchNorm's running statistics, anything registered with
     ``register_buffer``) are rank 0's on every rank once a synced step is
     finished, as with DDP's ``broadcast_buffers=True`` (pass
     ``broadcast_buffers=False`` to keep each rank's own).
 
-    Parameters without ``requires_grad`` are left alone; a parameter that got
-    no gradient on this rank in a step counts as a zero gradient, and receives
-    the average of the others. The sync lives inside its session: when the
-    session ends (however it ends) its hooks come off, and backward is plain
-    local autograd again. Use it as a context manager (or call
+    Parameters without ``requires_grad`` (when the sync is made) are left
+    alone; a parameter that got no gradient on this rank in a step counts as
+    a zero gradient, and receives the average of the others. The sync lives
+    inside its session: when the session ends (however it ends) its hooks
+    come off, and backward is plain local autograd again. Use it as a context manager (or call
     [remove][asyncdist.GradientSync.remove]) to take them off sooner.
     """
 
@@ -442,6 +443,9 @@ class GradientSync:
         self._module = module
         self._options = options
         self._params = list(options.params)
+        # the parameters left out (no grad then): one that requires grad later is refused
+        synced = {id(p) for p in self._params}
+        self._frozen = [p for p in module.parameters() if id(p) not in synced]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._buckets: list[_Bucket] = []
         self._where: list[tuple[_Bucket, int]] = []  # by param index: (bucket, slot)
@@ -572,21 +576,35 @@ class GradientSync:
                 self._buffers = self._broadcast(buffers, src=0)
 
     def _check_parameters(self) -> None:
-        """Refuse a step whose parameters no longer match their slots: the
-        model was converted (``.double()``, ``.to(dtype)``) or moved after the
-        sync was made, and averaged gradients could not be handed back."""
+        """Refuse a step whose parameters are no longer those the buckets
+        were built for: the model was converted (``.double()``), moved,
+        frozen or unfrozen after the sync was made. A converted one could not
+        take its average back; a frozen one would be updated from the zeros
+        it averages to (momentum, weight decay), and an unfrozen one would
+        train on this rank's gradient alone."""
         for param, (bucket, slot) in zip(self._params, self._where, strict=True):
             target = bucket.slots[slot]
-            if param.dtype == target.dtype and param.device == target.device:
+            same = param.dtype == target.dtype and param.device == target.device
+            if same and param.requires_grad:
                 continue
-            name = next(n for n, p in self._module.named_parameters() if p is param)
-            raise AsyncDistError(
-                f"{self._name} on rank {self._carrier.rank}: parameter {name!r} is now "
-                f"{param.dtype} on {param.device}, but the sync was made for {target.dtype} "
-                f"on {target.device}. Convert or move the model before "
-                f"`s.gradient_sync(model)` (or remove() this sync and make a new one). "
-                f"Nothing of this step was launched"
+            if not param.requires_grad:
+                raise self._changed(param, "no longer requires grad")
+            raise self._changed(
+                param,
+                f"is now {param.dtype} on {param.device}, but the sync was made for "
+                f"{target.dtype} on {target.device}",
             )
+        for param in self._frozen:
+            if param.requires_grad:
+                raise self._changed(param, "requires grad now, but did not when the sync was made")
+
+    def _changed(self, param: torch.Tensor, what: str) -> AsyncDistError:
+        name = next(n for n, p in self._module.named_parameters() if p is param)
+        return AsyncDistError(
+            f"{self._name} on rank {self._carrier.rank}: parameter {name!r} {what}. Make "
+            f"the sync after converting, moving, freezing or unfreezing the model (or "
+            f"remove() this sync and make a new one). Nothing of this step was launched"
+        )
 
     def _launch_ready(self, *, everything: bool = False) -> None:
         """Launch buckets in order while the next one is complete (with step

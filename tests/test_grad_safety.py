@@ -218,20 +218,30 @@ def test_a_second_live_sync_over_the_same_parameters_or_optimizer_is_refused() -
 # -- parameters that no longer fit their buckets --------------------------------------------
 
 
-async def _converted_after_the_sync(s: DistSession, how: str) -> dict[str, Any]:
+async def _changed_after_the_sync(s: DistSession, how: str, change: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = BNNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if change == "unfreeze":
+        model.a.requires_grad_(False)  # frozen when the sync is made
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     sync = s.gradient_sync(model)
     _loss(model, s.rank, 0).backward()
     await _wait(sync, how)
     opt.step()
     opt.zero_grad(set_to_none=True)
     out: dict[str, Any] = {}
-    model.double()  # after the sync was made: its buckets are float32
+    undo = {
+        "convert": (model.double, model.float),  # its buckets are float32
+        "freeze": (lambda: model.a.requires_grad_(False), lambda: model.a.requires_grad_(True)),
+        "unfreeze": (lambda: model.a.requires_grad_(True), lambda: model.a.requires_grad_(False)),
+    }
+    make, restore = undo[change]
+    make()
+    before = [p.detach().clone() for p in model.parameters()]
     x, y = _batch(s.rank, 1)
     try:
-        torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+        dtype = next(model.parameters()).dtype
+        torch.nn.functional.cross_entropy(model(x.to(dtype)), y).backward()
     except AsyncDistError as exc:
         out["backward"] = str(exc)
     out["pending_after"] = sync.pending
@@ -239,8 +249,11 @@ async def _converted_after_the_sync(s: DistSession, how: str) -> dict[str, Any]:
         await _wait(sync, how)  # a step with no synced backward checks too
     except AsyncDistError as exc:
         out["wait"] = str(exc)
-    # converted back, training goes on: nothing of the refused steps was launched
-    model.float()
+    out["untouched"] = all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    )
+    # restored, training goes on: nothing of the refused steps was launched
+    restore()
     opt.zero_grad(set_to_none=True)
     for step in range(2, 4):
         _loss(model, s.rank, step).backward()
@@ -251,19 +264,34 @@ async def _converted_after_the_sync(s: DistSession, how: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("how", "backend"), [("sync", "asyncio"), ("await", "trio")])
-def test_a_model_converted_after_its_sync_is_refused_before_anything_launches(
-    how: str, backend: str
+@pytest.mark.parametrize(
+    ("change", "how", "backend", "what"),
+    [
+        (
+            "convert",
+            "sync",
+            "asyncio",
+            "is now torch.float64 on cpu, but the sync was made for torch.float32 on cpu",
+        ),
+        ("convert", "await", "trio", "is now torch.float64"),
+        ("freeze", "await", "asyncio", "no longer requires grad"),
+        ("unfreeze", "sync", "asyncio", "requires grad now, but did not when the sync was made"),
+    ],
+    ids=["convert", "convert-trio", "freeze", "unfreeze"],
+)
+def test_a_model_changed_after_its_sync_is_refused_before_anything_launches(
+    change: str, how: str, backend: str, what: str
 ) -> None:
-    for rank, r in enumerate(_spawn(_converted_after_the_sync, 2, how, backend)):
+    results = _spawn(_changed_after_the_sync, 2, how, backend, change)
+    for rank, r in enumerate(results):
         for key in ("backward", "wait"):
             message = r.get(key, "")
             assert "gradient_sync of BNNet (0x" in message, (rank, key, r)
-            assert f"on rank {rank}: parameter 'a.weight' is now torch.float64" in message
-            assert "made for torch.float32 on cpu" in message
-            assert "before `s.gradient_sync(model)`" in message
+            assert f"on rank {rank}: parameter 'a.weight' {what}" in message
+            assert "Make the sync after converting, moving, freezing or unfreezing" in message
             assert "Nothing of this step was launched" in message
         assert r["pending_after"] is False, rank
+        assert r["untouched"], rank
         assert r["agree"], rank
 
 
