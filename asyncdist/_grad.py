@@ -293,9 +293,29 @@ def layout(
 
 class _Bucket:
     """One flat buffer of gradients of one dtype, reduced by one allreduce
-    (of ``wire``, its narrow copy, when compressed)."""
+    (of ``wire``, its narrow copy, when compressed).
 
-    __slots__ = ("buffer", "handle", "params", "pending", "scale", "slots", "wire")
+    The buffer ends with one flag per parameter, 1 where this rank has a
+    gradient for it and 0 where it has none, summed with the gradients: a
+    parameter whose flag sums to 0 got a gradient on no rank, and its
+    ``.grad`` is left ``None``, as DDP (``find_unused_parameters``) and
+    local autograd leave it (an optimizer then skips it, where a zero
+    average would still move it by momentum or weight decay). The flags
+    ride in the bucket's own allreduce: no round trip of their own.
+    """
+
+    __slots__ = (
+        "buffer",
+        "flags",
+        "handle",
+        "params",
+        "pending",
+        "scale",
+        "size",
+        "slots",
+        "unused",
+        "wire",
+    )
 
     def __init__(
         self,
@@ -306,7 +326,11 @@ class _Bucket:
     ) -> None:
         self.params = params
         total = sum(param.numel() for param in params)
-        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=device)
+        self.size = total * params[0].element_size()  # the gradients' bytes
+        self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype, device=device)
+        self.flags = self.buffer[total:]
+        self.flags.fill_(1)
+        self.unused = False  # this step, some parameter of it has no gradient here
         # each parameter's slot, a view of the buffer shaped like it, made once
         # (slicing and viewing in every hook cost more than the hook's own work)
         self.slots: list[torch.Tensor] = []
@@ -316,7 +340,7 @@ class _Bucket:
             start += param.numel()
         self.wire: torch.Tensor | None = None
         if narrow is not None and self.buffer.dtype in _WIDE:
-            self.wire = torch.empty(total, dtype=narrow, device=device)
+            self.wire = torch.empty(self.buffer.numel(), dtype=narrow, device=device)
         # for a mean, each gradient is multiplied by 1/world as it is copied
         # in (one pass, as DDP does) and the bucket is summed: no pass to
         # divide afterwards. A narrowed bucket is divided on the wire instead,
@@ -326,10 +350,13 @@ class _Bucket:
         self.handle: Handle[torch.Tensor] | None = None
 
     def fill(self, slot: int, grad: torch.Tensor | None) -> None:
-        """Put ``grad`` (``None``: a zero gradient) into its slot, scaled."""
+        """Put ``grad`` (``None``: a zero gradient, and its flag down) into
+        its slot, scaled."""
         target = self.slots[slot]
         if grad is None:
             target.zero_()
+            self.flags[slot] = 0
+            self.unused = True
         elif grad.data_ptr() != target.data_ptr():
             if self.scale is None:
                 target.copy_(grad)
@@ -431,7 +458,9 @@ class GradientSync:
 
     Parameters without ``requires_grad`` (when the sync is made) are left
     alone; a parameter that got no gradient on this rank in a step counts as
-    a zero gradient, and receives the average of the others. The sync lives
+    a zero gradient, and receives the average of the others; one that got no
+    gradient on any rank keeps ``.grad`` ``None`` (so the optimizer skips
+    it), as with DDP's ``find_unused_parameters``. The sync lives
     inside its session: when the session ends (however it ends) its hooks
     come off, and backward is plain local autograd again. Use it as a context manager (or call
     [remove][asyncdist.GradientSync.remove]) to take them off sooner.
@@ -512,7 +541,7 @@ class GradientSync:
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes in each bucket, in launch order (before any compression)."""
-        return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
+        return [b.size for b in self._buckets]
 
     # -- during backward ----------------------------------------------------------------
 
@@ -689,10 +718,16 @@ class GradientSync:
         """
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)  # back to full precision
+        # a parameter with no gradient on any rank keeps .grad None; where
+        # this rank had every gradient, so did the sum
+        used = bucket.flags.tolist() if bucket.unused else None
         for slot, param in enumerate(bucket.params):
-            param.grad = bucket.slots[slot]
+            if used is None or used[slot] != 0:
+                param.grad = bucket.slots[slot]
+        bucket.flags.fill_(1)
         bucket.handle = None
         bucket.pending = len(bucket.params)
+        bucket.unused = False
 
     def _finish_step(
         self, stepper: _Stepper, clip: float | None, parts: list[list[list[Any]]]

@@ -117,9 +117,78 @@ def test_synced_gradients_are_the_average_of_local_ones(
                 assert r["steps"][step]["synced"][name] == pytest.approx(
                     expected, rel=1e-5, abs=1e-6
                 ), (step, name)
-        # the never-used parameter gets a zero average, as a zero gradient everywhere
-        assert results[0]["steps"][step]["synced"]["unused"] == [0.0] * 4
+        # the never-used parameter keeps no gradient, as DDP (find_unused_parameters) leaves it
+        assert all("unused" not in r["steps"][step]["synced"] for r in results)
     assert not any(r["after_remove_launched"] for r in results)
+
+
+class Branchy(torch.nn.Module):
+    """A trunk, a branch only some ranks use in a step, and a head no rank uses
+    on odd steps (an expert routed nowhere, a head for another task)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(4, 4)
+        self.branch = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+        y = self.trunk(x)
+        if rank == 0:
+            y = y + self.branch(x)
+        if step % 2 == 0:
+            y = y + self.head(x)
+        return y
+
+
+def _branchy(s: DistSession, how: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    options: dict[str, Any] = {
+        "plain": {},
+        "overlap": {"optimizer": opt},
+        "bf16": {"compression": "bf16"},
+    }[how]
+    # tiny buckets: the branch and the head share no bucket with the trunk
+    sync = s.gradient_sync(model, bucket_mb=0.0001, first_bucket_mb=0.0001, **options)
+    out: dict[str, Any] = {"steps": []}
+    for step in range(4):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + s.rank))
+        head = model.head.weight.detach().clone()
+        model(x, s.rank, step).sum().backward()
+        sync.wait()
+        out["steps"].append(
+            {
+                "grads": {n: p.grad is not None for n, p in model.named_parameters()},
+                "branch": s.all_gather(model.branch.weight.grad).wait(),
+            }
+        )
+        if how != "overlap":
+            opt.step()
+        out["steps"][-1]["head_moved"] = not torch.equal(head, model.head.weight)
+        opt.zero_grad(set_to_none=True)
+    out["agree"] = all(torch.equal(*s.all_gather(p.detach()).wait()) for p in model.parameters())
+    return out
+
+
+@pytest.mark.parametrize("how", ["plain", "overlap", "bf16"])
+def test_a_parameter_no_rank_used_keeps_no_gradient_as_with_ddp(how: str) -> None:
+    """A parameter some ranks used gets the average (zeros where unused); one
+    no rank used keeps ``.grad`` None, so the optimizer leaves it alone
+    (momentum and weight decay included), as DDP with
+    ``find_unused_parameters=True`` and local autograd do."""
+    for rank, r in enumerate(spawn(_branchy, 2, args=(how,), timeout=60)):
+        for step, st in enumerate(r["steps"]):
+            assert st["grads"]["trunk.weight"], (rank, step)
+            assert st["grads"]["branch.weight"], (rank, step)
+            used = step % 2 == 0
+            assert st["grads"]["head.weight"] is used, (rank, step, st["grads"])
+            # an optimizer skips a parameter without a gradient: no momentum, no decay
+            assert st["head_moved"] is used, (rank, step)
+            mine, other = st["branch"]
+            assert torch.equal(mine, other), (rank, step)  # rank 0's half, on both
+        assert r["agree"], rank
 
 
 def test_bad_arguments() -> None:
