@@ -537,6 +537,11 @@ class GradientSync:
             for slot, param in enumerate(bucket.params)
         }
         self._where = [where[index] for index in range(len(self._params))]
+        # what each parameter must still be at each step: its slot's dtype and device
+        self._expected = [
+            (param, bucket.slots[slot].dtype, bucket.slots[slot].device)
+            for param, (bucket, slot) in zip(self._params, self._where, strict=True)
+        ]
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -611,17 +616,15 @@ class GradientSync:
         take its average back; a frozen one would be updated from the zeros
         it averages to (momentum, weight decay), and an unfrozen one would
         train on this rank's gradient alone."""
-        for param, (bucket, slot) in zip(self._params, self._where, strict=True):
-            target = bucket.slots[slot]
-            same = param.dtype == target.dtype and param.device == target.device
-            if same and param.requires_grad:
+        for param, dtype, device in self._expected:
+            if param.dtype is dtype and param.requires_grad and param.device == device:
                 continue
             if not param.requires_grad:
                 raise self._changed(param, "no longer requires grad")
             raise self._changed(
                 param,
                 f"is now {param.dtype} on {param.device}, but the sync was made for "
-                f"{target.dtype} on {target.device}",
+                f"{dtype} on {device}",
             )
         for param in self._frozen:
             if param.requires_grad:
