@@ -460,10 +460,10 @@ class GradientSync:
     alone; a parameter that got no gradient on this rank in a step counts as
     a zero gradient, and receives the average of the others; one that got no
     gradient on any rank keeps ``.grad`` ``None`` (so the optimizer skips
-    it), as with DDP's ``find_unused_parameters``. The sync lives
-    inside its session: when the session ends (however it ends) its hooks
-    come off, and backward is plain local autograd again. Use it as a context manager (or call
-    [remove][asyncdist.GradientSync.remove]) to take them off sooner.
+    it), as with DDP's ``find_unused_parameters``. The sync lives inside its
+    session: when the session ends (however it ends) its hooks come off, and
+    backward is plain local autograd again. Use it as a context manager (or
+    call [remove][asyncdist.GradientSync.remove]) to take them off sooner.
     """
 
     def __init__(self, session: Carrier, module: torch.nn.Module, options: Options) -> None:
@@ -599,8 +599,9 @@ class GradientSync:
         change buffers, and this copy is what every rank holds afterwards).
 
         Raises:
-            AsyncDistError: a parameter changed dtype or device since the
-                buckets were built (nothing of this step is launched).
+            AsyncDistError: a parameter changed dtype, device or
+                ``requires_grad`` since the buckets were built (nothing of
+                this step is launched).
         """
         self._check_parameters()
         self._phase = _Phase.LAUNCHED
@@ -631,9 +632,10 @@ class GradientSync:
                 raise self._changed(param, "requires grad now, but did not when the sync was made")
 
     def _changed(self, param: torch.Tensor, what: str) -> AsyncDistError:
-        name = next(n for n, p in self._module.named_parameters() if p is param)
+        names = (repr(n) for n, p in self._module.named_parameters() if p is param)
+        name = next(names, f"of shape {tuple(param.shape)} (no longer in the module)")
         return AsyncDistError(
-            f"{self._name} on rank {self._carrier.rank}: parameter {name!r} {what}. Make "
+            f"{self._name} on rank {self._carrier.rank}: parameter {name} {what}. Make "
             f"the sync after converting, moving, freezing or unfreezing the model (or "
             f"remove() this sync and make a new one). Nothing of this step was launched"
         )
