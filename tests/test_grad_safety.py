@@ -295,6 +295,19 @@ def test_a_model_changed_after_its_sync_is_refused_before_anything_launches(
         assert r["agree"], rank
 
 
+def test_a_changed_parameter_the_module_no_longer_holds_is_named_by_its_shape() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    old = model[0].weight
+    with DistSession() as s:
+        sync = s.gradient_sync(model)
+        model[0] = torch.nn.Linear(3, 2)  # replaced: not checked (as DDP does not)...
+        old.requires_grad_(False)  # ...but a synced parameter that changed still is
+        model(torch.ones(1, 3)).sum().backward()  # reaches no hook of the sync
+        with pytest.raises(AsyncDistError, match=r"parameter of shape \(2, 3\) \(no longer"):
+            sync.wait()
+        sync.remove()
+
+
 def test_a_parameter_off_the_sessions_device_is_refused() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
     with DistSession() as s:
