@@ -145,6 +145,14 @@ class Options:
                     )
                 seen.add(id(param))
                 params.append(param)
+        for name, sub in module.named_modules():
+            sparse = isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse
+            if sparse and sub.weight.requires_grad:
+                raise ValueError(
+                    f"gradient_sync: {name or 'the module'} is an {type(sub).__name__} with "
+                    f"sparse=True, and gradient_sync averages dense gradients only; make it "
+                    f"with sparse=False"
+                )
         if clip_grad_norm is not None:
             if not _positive(clip_grad_norm):
                 raise ValueError(
@@ -559,6 +567,12 @@ class GradientSync:
         grad = param.grad
         if self._removed or grad is None:
             return
+        if grad.layout is not torch.strided:
+            raise AsyncDistError(
+                f"{self._name} on rank {self._carrier.rank}: a parameter got a "
+                f"{grad.layout} gradient, and gradient_sync averages dense gradients only "
+                f"(an nn.Embedding or nn.EmbeddingBag with sparse=True gives sparse ones)"
+            )
         if self._carrier.closed:  # its session ended (a lane of another session's, say)
             self.remove()
             return

@@ -520,10 +520,11 @@ class DistSession(Collectives):
 
         Raises:
             TypeError, ValueError: not a module, a parameter off the
-                session's device, a bad bucket size, op, compression or clip,
-                or an optimizer that is not a per-parameter
-                ``torch.optim.Optimizer`` over the module's parameters. Raised
-                before anything is launched.
+                session's device, a sparse embedding (``sparse=True``: sparse
+                gradients are not averaged), a bad bucket size, op,
+                compression or clip, or an optimizer that is not a
+                per-parameter ``torch.optim.Optimizer`` over the module's
+                parameters. Raised before anything is launched.
             AsyncDistError: a live GradientSync already covers one of the
                 module's parameters, or the optimizer.
         """

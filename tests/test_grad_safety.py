@@ -308,6 +308,42 @@ def test_a_changed_parameter_the_module_no_longer_holds_is_named_by_its_shape() 
         sync.remove()
 
 
+class _SparseGrad(torch.autograd.Function):
+    """Identity forward; the gradient comes back sparse."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor) -> torch.Tensor:
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to_sparse()
+
+
+def test_sparse_gradients_are_refused_with_a_clear_error() -> None:
+    class Tagger(torch.nn.Module):
+        def __init__(self, sparse: bool, frozen: bool = False) -> None:
+            super().__init__()
+            self.words = torch.nn.Embedding(10, 3, sparse=sparse)
+            self.words.requires_grad_(not frozen)
+            self.head = torch.nn.Linear(3, 2)
+
+    with DistSession() as s:
+        with pytest.raises(ValueError, match="words is an Embedding with sparse=True") as info:
+            s.gradient_sync(Tagger(sparse=True))
+        assert "dense gradients only; make it with sparse=False" in str(info.value)
+        s.gradient_sync(Tagger(sparse=True, frozen=True)).remove()  # no gradient: no matter
+        s.gradient_sync(Tagger(sparse=False)).remove()
+        # a sparse gradient from elsewhere (a custom autograd function) raises in backward
+        w = torch.nn.Parameter(torch.ones(4))
+        holder = torch.nn.Module()
+        holder.w = w
+        sync = s.gradient_sync(holder)
+        with pytest.raises(AsyncDistError, match=r"got a torch\.sparse_coo gradient"):
+            _SparseGrad.apply(w).sum().backward()
+        sync.remove()
+
+
 def test_a_parameter_off_the_sessions_device_is_refused() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
     with DistSession() as s:
