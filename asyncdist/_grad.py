@@ -299,6 +299,25 @@ def layout(
     return buckets
 
 
+# integer views by element size: a fingerprint sums bits, exactly
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(params: Iterable[torch.Tensor]) -> int:
+    """An exact fingerprint of the parameters' values: equal on every rank
+    where they are bitwise equal (a sum of their bits, as integers, weighted
+    by position so that swapped parameters differ; one device sync)."""
+    total: torch.Tensor | None = None
+    for position, param in enumerate(params, start=1):
+        values = param.detach()
+        if values.is_complex():
+            values = torch.view_as_real(values)
+        bits = values.contiguous().view(-1).view(_BITS[values.element_size()])
+        part = bits.sum(dtype=torch.int64) * position
+        total = part if total is None else total + part
+    return 0 if total is None else int(total.item())
+
+
 class _Bucket:
     """One flat buffer of gradients of one dtype, reduced by one allreduce
     (of ``wire``, its narrow copy, when compressed).
@@ -516,7 +535,9 @@ class GradientSync:
         self._next_launch = 0
         self._landed = 0  # buckets of this step written back (and stepped)
         self._parts: list[list[list[Any]]] | None = None  # this step's optimizer parts
-        self._order: Handle[list[int]] | None = None  # the pending bucket rebuild
+        # the pending bucket rebuild, with rank 0's parameter fingerprint
+        self._order: Handle[tuple[list[int], int]] | None = None
+        self._fingerprint: int | None = None  # this rank's, as its first synced step began
         self._buffers: Handle[None] | None = None  # this step's buffer broadcast
         self._phase = _Phase.IDLE
         self._finishing = False  # every bucket of this step is launched; awaiting them
@@ -618,6 +639,9 @@ class GradientSync:
                 this step is launched).
         """
         self._check_parameters()
+        if self._arrivals is not None and self._carrier.world_size > 1:
+            # the first synced step: the replicas must start as one model
+            self._fingerprint = fingerprint(self._module.parameters())
         self._phase = _Phase.LAUNCHED
         if self._options.broadcast_buffers and self._carrier.world_size > 1:
             buffers = [b.data for b in self._module.buffers()]
@@ -724,8 +748,23 @@ class GradientSync:
             self._order = self._rank0_order()
         if self._order is not None:  # the step is not over until the rebuild
             yield self._order
-            order, self._order = self._order, None
-            self._build(order.wait())  # already complete
+            pending, self._order = self._order, None
+            order, rank0 = pending.wait()  # already complete
+            self._build(order)
+            mine, self._fingerprint = self._fingerprint, None
+            if mine is not None and mine != rank0:
+                # told, not raised: averaging gradients of unlike models is legal,
+                # only almost never meant
+                logger.warning(
+                    "%s on rank %d: this rank's parameters differed from rank 0's when "
+                    "the first synced step began, so the replicas are not one model and "
+                    "averaging gradients will not make them one. Call "
+                    "`sync.broadcast_parameters()` (`await sync.broadcast_parameters_async()`) "
+                    "once before training, as DDP's constructor does, or load the same "
+                    "weights on every rank",
+                    self._name,
+                    self._carrier.rank,
+                )
         self._phase, self._finishing = _Phase.IDLE, False
 
     def _land(self, bucket: _Bucket) -> None:
@@ -779,9 +818,10 @@ class GradientSync:
                 f"optimizer.step() call"
             )
 
-    def _rank0_order(self) -> Handle[list[int]] | None:
+    def _rank0_order(self) -> Handle[tuple[list[int], int]] | None:
         """After the first step: every rank's bucket order, taken from rank 0's
-        observed arrival order (buckets must be alike on every rank)."""
+        observed arrival order (buckets must be alike on every rank), and
+        rank 0's parameter fingerprint from that step's start."""
         arrivals, self._arrivals = self._arrivals, None
         if arrivals is None:
             return None
@@ -789,8 +829,9 @@ class GradientSync:
         order = list(dict.fromkeys(arrivals)) + [
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
+        fingerprint = -1 if self._fingerprint is None else self._fingerprint
         with issuing_as(self, self._name):
-            return self._carrier.broadcast_object(order, src=0, allowed=[])
+            return self._carrier.broadcast_object((order, fingerprint), src=0, allowed=[])
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else self._phase.value

@@ -8,6 +8,7 @@ synced step; and a sync's hooks end with its session.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import anyio
@@ -213,6 +214,43 @@ def test_a_second_live_sync_over_the_same_parameters_or_optimizer_is_refused() -
     assert "parameter 'weight' of Linear already has a live gradient_sync of BNNet" in messages[1]
     assert "SGD already steps under a live gradient_sync of BNNet" in messages[2]
     assert all("remove()" in m for m in messages)
+
+
+# -- a forgotten broadcast_parameters -----------------------------------------------------
+
+
+def _unlike_replicas(s: DistSession, broadcast: bool) -> list[str]:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("asyncdist").addHandler(handler)
+    try:
+        torch.manual_seed(s.rank)  # each rank its own weights...
+        model = BNNet()
+        with s.gradient_sync(model) as sync:
+            if broadcast:
+                sync.broadcast_parameters()  # ...unless rank 0's are copied first
+            for step in range(2):
+                _loss(model, s.rank, step).backward()
+                sync.wait()
+                model.zero_grad(set_to_none=True)
+    finally:
+        logging.getLogger("asyncdist").removeHandler(handler)
+    return [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_a_forgotten_broadcast_parameters_is_told_at_the_first_step(broadcast: bool) -> None:
+    messages = spawn(_unlike_replicas, 3, args=(broadcast,), timeout=60)
+    for rank, mine in enumerate(messages):
+        told = [m for m in mine if "differed from rank 0's" in m]
+        if broadcast or rank == 0:
+            assert told == [], (rank, mine)
+        else:  # once, at the first step only
+            assert len(told) == 1, (rank, mine)
+            assert "gradient_sync of BNNet (0x" in told[0]
+            assert f"on rank {rank}: this rank's parameters" in told[0]
+            assert "sync.broadcast_parameters()" in told[0]
 
 
 # -- parameters that no longer fit their buckets --------------------------------------------
