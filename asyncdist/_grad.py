@@ -829,9 +829,9 @@ class GradientSync:
         order = list(dict.fromkeys(arrivals)) + [
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
-        fingerprint = -1 if self._fingerprint is None else self._fingerprint
+        mine = -1 if self._fingerprint is None else self._fingerprint
         with issuing_as(self, self._name):
-            return self._carrier.broadcast_object((order, fingerprint), src=0, allowed=[])
+            return self._carrier.broadcast_object((order, mine), src=0, allowed=[])
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else self._phase.value
