@@ -322,8 +322,14 @@ class _Bucket:
     """One flat buffer of gradients of one dtype, reduced by one allreduce
     (of ``wire``, its narrow copy, when compressed).
 
-    The buffer ends with one flag per parameter, 1 where this rank has a
-    gradient for it and 0 where it has none, summed with the gradients: a
+    A compressed bucket's gradients go straight into ``wire`` (narrowed as
+    they are copied in: no full-precision pass first), and come back into
+    ``buffer`` when the sum lands; each ``.grad`` is then a view of
+    ``buffer``.
+
+    The buffer (the wire, when compressed) ends with one flag per parameter,
+    1 where this rank has a gradient for it and 0 where it has none, summed
+    with the gradients: a
     parameter whose flag sums to 0 got a gradient on no rank, and its
     ``.grad`` is left ``None``, as DDP (``find_unused_parameters``) and
     local autograd leave it (an optimizer then skips it, where a zero
@@ -333,6 +339,7 @@ class _Bucket:
 
     __slots__ = (
         "buffer",
+        "fills",
         "flags",
         "handle",
         "params",
@@ -355,19 +362,19 @@ class _Bucket:
         total = sum(param.numel() for param in params)
         self.size = total * params[0].element_size()  # the gradients' bytes
         self.buffer = torch.zeros(total + len(params), dtype=params[0].dtype, device=device)
-        self.flags = self.buffer[total:]
-        self.flags.fill_(1)
-        self.unused = False  # this step, some parameter of it has no gradient here
-        # each parameter's slot, a view of the buffer shaped like it, made once
-        # (slicing and viewing in every hook cost more than the hook's own work)
-        self.slots: list[torch.Tensor] = []
-        start = 0
-        for param in params:
-            self.slots.append(self.buffer[start : start + param.numel()].view_as(param))
-            start += param.numel()
         self.wire: torch.Tensor | None = None
         if narrow is not None and self.buffer.dtype in _WIDE:
-            self.wire = torch.empty(self.buffer.numel(), dtype=narrow, device=device)
+            self.wire = torch.zeros(self.buffer.numel(), dtype=narrow, device=device)
+        incoming = self.buffer if self.wire is None else self.wire
+        self.flags = incoming[total:]
+        self.flags.fill_(1)
+        self.unused = False  # this step, some parameter of it has no gradient here
+        # each parameter's slot, a view of the buffer shaped like it (its
+        # .grad once the sum lands), and where its gradient is copied in (the
+        # same slot, or the wire's); made once: slicing and viewing in every
+        # hook cost more than the hook's own work
+        self.slots = _views(self.buffer, params)
+        self.fills = self.slots if self.wire is None else _views(self.wire, params)
         # for a mean, each gradient is multiplied by 1/world as it is copied
         # in (one pass, as DDP does) and the bucket is summed: no pass to
         # divide afterwards. A narrowed bucket is divided on the wire instead,
@@ -378,8 +385,8 @@ class _Bucket:
 
     def fill(self, slot: int, grad: torch.Tensor | None) -> None:
         """Put ``grad`` (``None``: a zero gradient, and its flag down) into
-        its slot, scaled."""
-        target = self.slots[slot]
+        its slot, scaled (or narrowed onto the wire)."""
+        target = self.fills[slot]
         if grad is None:
             target.zero_()
             self.flags[slot] = 0
@@ -391,6 +398,15 @@ class _Bucket:
                 torch.mul(grad, self.scale, out=target)
         elif self.scale is not None:  # accumulated in place, in the slot
             target.mul_(self.scale)
+
+
+def _views(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat``, one shaped like each parameter."""
+    views, start = [], 0
+    for param in params:
+        views.append(flat[start : start + param.numel()].view_as(param))
+        start += param.numel()
+    return views
 
 
 # Optimizers a _Stepper is stepping right now: no sync's guard refuses those
@@ -704,8 +720,8 @@ class GradientSync:
             # a mean's gradients were scaled as they came in: the sum is the mean
             op = self._options.op if bucket.scale is None else "sum"
             return self._carrier.allreduce(bucket.buffer, op=op)
-        # DDP's compress hooks: narrow, pre-divide (so fp16 cannot overflow), sum
-        bucket.wire.copy_(bucket.buffer)
+        # DDP's compress hooks: narrow (done as the gradients came in),
+        # pre-divide (so fp16 cannot overflow), sum
         if self._options.op == "mean":
             bucket.wire.div_(self._carrier.world_size)
         return self._carrier.allreduce(bucket.wire, op="sum")

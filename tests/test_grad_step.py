@@ -246,6 +246,47 @@ def test_compression_matches_ddps_hook(world: int, compression: str) -> None:
         assert 0 < r["vs_full"] <= 2 * eps * r["scale"], r
 
 
+def _accumulated_in_place(s: DistSession, compression: str | None) -> bool:
+    """Two replicas averaged the same way over three steps of two
+    micro-batches each (the first under ``no_sync()``): one zeroes its
+    gradients with ``set_to_none=True`` (the hooks copy fresh gradients into
+    the buckets), the other with ``set_to_none=False`` (each ``.grad`` is a
+    view of its bucket, and backward accumulates into it in place)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    fresh, in_place = copy.deepcopy(base), copy.deepcopy(base)
+    kw: dict[str, Any] = {"compression": compression, "first_bucket_mb": 0.0001}
+    syncs = {
+        id(fresh): s.gradient_sync(fresh, **kw),
+        id(in_place): s.gradient_sync(in_place, channel=s.channel("in_place"), **kw),
+    }
+    same = True
+    for step in range(3):
+        for model, none in ((fresh, True), (in_place, False)):
+            model.zero_grad(set_to_none=none)
+            sync = syncs[id(model)]
+            with sync.no_sync():
+                x, y = _batch(s.rank, 2 * step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            x, y = _batch(s.rank, 2 * step + 1)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.wait()
+        pairs = zip(fresh.parameters(), in_place.parameters(), strict=True)
+        same &= all(torch.equal(a.grad, b.grad) for a, b in pairs)  # type: ignore[arg-type]
+        with torch.no_grad():  # a step, so that the next gradients differ
+            for a, b in zip(fresh.parameters(), in_place.parameters(), strict=True):
+                a -= 0.1 * a.grad  # type: ignore[operator]
+                b -= 0.1 * b.grad  # type: ignore[operator]
+    return same
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_gradients_accumulated_in_their_buckets_are_averaged_alike(
+    compression: str | None,
+) -> None:
+    assert spawn(_accumulated_in_place, 2, args=(compression,), timeout=60) == [True, True]
+
+
 def _fp16_large(s: DistSession) -> list[float]:
     """Gradients of 60000 on each rank: the sum (120000) overflows fp16, the
     pre-divided halves (30000 each) do not."""
