@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _ops, _wakeup
 from ._handle import Handle, combined
 from ._wakeup import issuing_as
-from .errors import AsyncDistError
+from .errors import AsyncDistError, SessionClosed
 
 logger = logging.getLogger("asyncdist")
 
@@ -486,7 +486,10 @@ class GradientSync:
 
     * a step must be finished (``await sync`` / ``sync.wait()``) before the
       next backward reaches the sync; to accumulate gradients over several
-      backwards, run all but the last inside ``with sync.no_sync():``;
+      backwards, run all but the last inside ``with sync.no_sync():``
+      (awaiting a finished step again, with no backward since, changes
+      nothing; a rank with no backward in a step still awaits, after
+      ``zero_grad``, and joins it with no gradients);
     * with ``optimizer=``, ``opt.step()`` is the sync's to call: a manual one
       in a step that a backward has reached, or after the sync stepped, raises;
     * one live sync per parameter and per optimizer;
@@ -524,6 +527,7 @@ class GradientSync:
         self._start()
         self._enabled = True
         self._removed = False
+        self._dropped = False  # removed with a step launched and never finished
         optimizer = options.optimizer
         self._stepper = None if optimizer is None else _Stepper(optimizer)
         # With step overlap, buckets go on the wire one at a time, in order:
@@ -558,6 +562,9 @@ class GradientSync:
         self._phase = _Phase.IDLE
         self._finishing = False  # every bucket of this step is launched; awaiting them
         self._stepped = False  # the update of this step is done; a manual step would repeat it
+        # each parameter's .grad as the last finished step left it, with its
+        # version: while they are untouched, `await sync` again is a no-op
+        self._finished: list[tuple[torch.Tensor | None, int]] | None = None
 
     # -- buckets ----------------------------------------------------------------------
 
@@ -733,6 +740,8 @@ class GradientSync:
         callers share it). Progress lives on ``self``, so a cancelled await
         resumes where it stopped."""
         if self._order is None:
+            if self._phase is _Phase.IDLE and self._untouched():
+                return  # this step is finished already: awaiting it again changes nothing
             if self._phase is not _Phase.LAUNCHED:
                 self._begin()  # no synced backward this step: reduce what there is
             self._launch_ready(everything=True)
@@ -782,6 +791,22 @@ class GradientSync:
                     self._carrier.rank,
                 )
         self._phase, self._finishing = _Phase.IDLE, False
+        self._finished = [
+            (grad, -1 if grad is None else grad._version)
+            for grad in (param.grad for param in self._params)
+        ]
+
+    def _untouched(self) -> bool:
+        """Whether every ``.grad`` is as the last finished step left it: no
+        backward, ``zero_grad`` or write since (a rank that skipped backward
+        after ``zero_grad`` still joins the step, with no gradients)."""
+        finished = self._finished
+        if finished is None:
+            return False
+        for param, (grad, version) in zip(self._params, finished, strict=True):
+            if param.grad is not grad or (grad is not None and grad._version != version):
+                return False
+        return True
 
     def _land(self, bucket: _Bucket) -> None:
         """Point each ``.grad`` at its averaged slot of the bucket (no copy).
@@ -861,8 +886,18 @@ class GradientSync:
 
     def wait(self) -> None:
         """Block until every bucket is reduced and gradients are written back
-        (and, with ``optimizer=``, the parameters updated)."""
-        if self._enabled and not self._removed:
+        (and, with ``optimizer=``, the parameters updated). Again, with no
+        backward since, it returns at once; inside ``no_sync()`` it does nothing.
+
+        Raises:
+            SessionClosed: the session that made the sync has ended (its
+                hooks came off with it: gradients are no longer averaged).
+            AsyncDistError: the sync was removed with a step launched and
+                never finished (that step's gradients were not averaged).
+        """
+        if self._removed:
+            self._refuse_removed()
+        elif self._enabled:
             for handle in self._finish():
                 handle.wait()
 
@@ -874,6 +909,26 @@ class GradientSync:
                 awaited = True
         if not awaited and _wakeup.on_trio():  # trio's rule: every await is a checkpoint
             await _wakeup.trio_checkpoint()
+        if self._removed:
+            self._refuse_removed()
+
+    def _refuse_removed(self) -> None:
+        """Waiting on a removed sync: an error where gradients a caller
+        expects averaged are not; else nothing (``remove()`` was meant)."""
+        rank = self._carrier.rank
+        if self._carrier.closed:
+            raise SessionClosed(
+                f"{self._name} on rank {rank}: its session has ended, and its hooks came "
+                f"off with it, so gradients are no longer averaged (backward is plain "
+                f"local autograd). Use the sync inside the session that made it"
+            )
+        if self._dropped:
+            self._dropped = False  # told once
+            raise AsyncDistError(
+                f"{self._name} on rank {rank} was removed with a step launched and not "
+                f"finished: that step's gradients were not averaged. Finish the step "
+                f"(`await sync`) before remove()"
+            )
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait_async().__await__()
@@ -927,7 +982,10 @@ class GradientSync:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if not self._removed and self._phase is _Phase.LAUNCHED:
+            self._dropped = True
         self._removed = True
+        self._phase, self._finishing = _Phase.IDLE, False  # nothing will finish it now
         for param in self._params:
             if _live(_LIVE_PARAMS, param) is self:
                 del _LIVE_PARAMS[param]
@@ -952,6 +1010,11 @@ def buckets_of(sync: GradientSync) -> tuple[_Bucket, ...]:
 def module_of(sync: GradientSync) -> torch.nn.Module:
     """The module ``sync`` averages the gradients of."""
     return sync._module
+
+
+def optimizer_of(sync: GradientSync) -> torch.optim.Optimizer | None:
+    """The optimizer ``sync`` steps (``optimizer=``), if any."""
+    return sync._options.optimizer
 
 
 def regenerate(syncs: weakref.WeakSet[GradientSync]) -> None:

@@ -48,6 +48,10 @@ OUTSIDE_PRIVATES = {
     ("asyncdist._groups", "options._timeout"),
     ("asyncdist._groups", "distributed_c10d._get_default_store"),
     ("asyncdist._groups", "group._get_backend"),
+    # GradientSync._untouched: whether a .grad was written in place since the
+    # last finished step (zero_grad(set_to_none=False) keeps the tensor and
+    # bumps its version); torch's version counter has no public spelling
+    ("asyncdist._grad", "grad._version"),
     # issuer_key, on every launch: asyncio's running loop or None, without the
     # exception the public get_running_loop raises in plain code (listed in
     # asyncio.events.__all__)

@@ -15,7 +15,7 @@ import anyio
 import pytest
 import torch
 
-from asyncdist import AsyncDistError, DistSession, spawn
+from asyncdist import AsyncDistError, DistSession, SessionClosed, spawn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -530,6 +530,80 @@ def test_a_session_that_ends_mid_step_names_the_sync(caplog: pytest.LogCaptureFi
     assert repr(sync) == "<GradientSync of BNNet removed>"  # the session took it off
     assert "ends with the session mid-step" in caplog.text
     assert "GradientSync of BNNet" in caplog.text
+
+
+# -- awaiting a finished step again, and a removed sync ---------------------------------
+
+
+async def _train(s: DistSession, how: str, overlap: bool, again: dict[int, set[int]]) -> Any:
+    """Four steps of SGD with momentum; at step ``n`` the ranks in
+    ``again[n]`` await the finished step a second time. Rank 1 skips
+    backward at steps 1 and 2 (after ``zero_grad``, in place and to None),
+    so it joins those steps with no gradients. The parameters at the end."""
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with s.gradient_sync(model, optimizer=opt if overlap else None) as sync:
+        for step in range(4):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            if not (step in (1, 2) and s.rank == 1):
+                _loss(model, s.rank, step).backward()
+            await _wait(sync, how)
+            if s.rank in again.get(step, set()):
+                await _wait(sync, how)
+            if not overlap:
+                opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+async def _awaited_twice(s: DistSession, how: str, overlap: bool) -> dict[str, Any]:
+    once = await _train(s, how, overlap, {})
+    twice = await _train(s, how, overlap, {0: {0, 1}, 1: {0}, 3: {1}})
+    return {
+        "same_as_once": all(torch.equal(a, b) for a, b in zip(once, twice, strict=True)),
+        "agree": _same_everywhere(s, twice),
+    }
+
+
+@pytest.mark.parametrize(("how", "backend", "overlap"), [
+    ("sync", "asyncio", False), ("await", "trio", False), ("sync", "asyncio", True),
+    ("await", "asyncio", True),
+])  # fmt: skip
+def test_awaiting_a_finished_step_again_changes_nothing(
+    how: str, backend: str, overlap: bool
+) -> None:
+    """A second ``await sync`` with no backward since is a no-op, on every
+    rank or on one: it used to launch the step again (with ``optimizer=``,
+    a second update; on one rank, collectives that paired with the next
+    step's on the others)."""
+    for r in _spawn(_awaited_twice, 2, how, backend, overlap):
+        assert r == {"same_as_once": True, "agree": True}
+
+
+def test_waiting_on_a_removed_sync_says_what_was_not_averaged() -> None:
+    """A step launched and never finished when the sync was removed, or when
+    its session ended, used to let ``wait()`` return with each rank's own
+    gradients in place (and ``pending`` stayed True)."""
+    model = BNNet()
+    with DistSession() as s:
+        sync = s.gradient_sync(model)
+        _loss(model, 0, 0).backward()
+        sync.remove()  # a step launched and never finished
+        assert sync.pending is False
+        with pytest.raises(AsyncDistError, match="removed with a step launched and not finished"):
+            sync.wait()
+        sync.wait()  # told once; a removed sync is otherwise a no-op
+        ended = s.gradient_sync(model)
+        _loss(model, 0, 1).backward()  # and no await before leaving
+    assert ended.pending is False
+    with pytest.raises(SessionClosed, match="its session has ended"):
+        ended.wait()
+
+    async def awaited() -> None:
+        await ended
+
+    with pytest.raises(SessionClosed, match="its session has ended"):
+        anyio.run(awaited)
 
 
 @pytest.mark.anyio
