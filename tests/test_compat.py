@@ -54,6 +54,42 @@ def test_dist_init_without_cuda_and_finalize() -> None:
     compat.dist_finalize()  # idempotent
 
 
+def test_dist_finalize_destroys_a_group_dist_init_took_over() -> None:
+    """``dist_init`` over a default group made elsewhere takes it over; the
+    first ``dist_finalize`` destroys it, as the helper's did (it used to
+    take a second call)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert compat.dist_init() == (0, 1)
+    compat.dist_finalize()
+    assert not dist.is_initialized()
+    compat.dist_finalize()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("port", "error", "message"),
+    [("abc", ValueError, "port must be a port number, not 'abc'"), (1.5, TypeError, "float")],
+)
+def test_dist_init_names_a_bad_port(port: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        compat.dist_init(port=port)
+    assert not dist.is_initialized()
+
+
+def test_dist_init_without_a_port_names_its_own_argument() -> None:
+    with pytest.raises(RuntimeError, match="needs a master port: pass port=") as info:
+        compat.dist_init("gloo", rank=1, world_size=2)
+    assert "master_port=" not in str(info.value)
+
+
+def test_a_group_used_after_dist_finalize_is_named_released() -> None:
+    compat.dist_init()
+    group = compat.get_group(1)
+    compat.dist_finalize()
+    compat.dist_init()
+    with pytest.raises(SessionClosed, match="released by dist_finalize"):
+        compat.allreduce(torch.ones(1), group=group)
+
+
 def test_broadcast_and_allreduce_sync_and_async() -> None:
     compat.dist_init()
     t = torch.ones(3)

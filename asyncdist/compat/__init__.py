@@ -96,6 +96,7 @@ def dist_init(
     Raises:
         AsyncDistError: already initialised by ``dist_init``.
         InitError: the group could not be formed.
+        TypeError, ValueError: ``port`` is not a port number.
     """
     session = _shared.open_session(backend, addr, port, rank, world_size, None)
     return session.rank, session.world_size

@@ -33,7 +33,7 @@ from .. import _groups
 from .._handle import Handle, combined
 from .._session import DistSession
 from .._wakeup import issuing_as
-from ..errors import AsyncDistError, SessionClosed
+from ..errors import AsyncDistError, InitError, SessionClosed
 
 logger = logging.getLogger("asyncdist.compat")
 
@@ -46,6 +46,7 @@ T = TypeVar("T")
 session: DistSession | None = None  # opened by dist_init
 adopted: DistSession | None = None  # wraps a default group someone else made
 groups: dict[Any, DistSession] = {}  # get_group's process groups -> their sub-sessions
+released: list[Any] = []  # the groups the last dist_finalize() let go of (for the message)
 
 _pending: list[Handle[Any]] = []  # async handles not yet waited by synchronize()
 _pending_lock = threading.Lock()
@@ -154,6 +155,11 @@ def session_for(group: Any, op: str) -> DistSession:
         try:
             return groups[group]
         except KeyError:
+            if any(group is old for old in released):
+                raise SessionClosed(
+                    f"{op}: this group was released by dist_finalize(); after dist_init(), "
+                    "make it again with get_group() (or simple_group_split())"
+                ) from None
             raise ValueError(
                 f"{op}: group was not made by asyncdist.compat's get_group or "
                 "simple_group_split; pass one of those groups or None"
@@ -240,6 +246,8 @@ def open_session(
     global session
     if session is not None and not session.closed:
         raise AsyncDistError("dist_init: already initialised; call dist_finalize() first")
+    if port is not None:
+        port = _port(port)
     if backend is not None and backend.lower() == "nccl" and not torch.cuda.is_available():
         logger.warning("dist_init: no CUDA device here; using gloo instead of nccl")
         backend = "gloo"
@@ -248,12 +256,32 @@ def open_session(
         rank=rank,
         world_size=world_size,
         master_addr=addr,
-        master_port=None if port is None else int(port),
+        master_port=port,
         timeout=timeout,
     )
-    opened.__enter__()
+    try:
+        opened.__enter__()
+    except InitError as exc:
+        if "master_port=" in str(exc):  # the session's own argument: compat's is port=
+            raise InitError(str(exc).replace("master_port=", "port=")) from exc.__cause__
+        raise
     session = opened
     return opened
+
+
+def _port(port: object) -> int:
+    """``port`` (an int, or a string of digits as from the environment) as an int.
+
+    Raises:
+        TypeError: neither.
+        ValueError: a string that is not a number.
+    """
+    if isinstance(port, bool) or not isinstance(port, (int, str)):
+        raise TypeError(f"dist_init: port must be an int, not {type(port).__name__}")
+    try:
+        return int(port)
+    except ValueError:
+        raise ValueError(f"dist_init: port must be a port number, not {port!r}") from None
 
 
 def dist_finalize() -> None:
@@ -263,7 +291,8 @@ def dist_finalize() -> None:
     and the group is destroyed without a barrier, so a peer that already
     left or died cannot hang it. A session compat opened to adopt a default
     group made elsewhere is released too (its worker threads stop), before
-    that group is destroyed.
+    that group is destroyed: like the helper's, it destroys the default
+    group whoever made it (``dist_init`` over a group made elsewhere included).
     """
     global session
     current, session = session, None
@@ -272,11 +301,14 @@ def dist_finalize() -> None:
     try:
         forget_adopted()
     finally:
+        released[:] = list(groups)
         groups.clear()
-        if current is not None:
-            current.close()
-        else:
-            _groups.destroy_world()
+        try:
+            if current is not None:
+                current.close()  # destroys the group it made, not one it adopted
+        finally:
+            if dist.is_initialized():
+                _groups.destroy_world()
 
 
 def dist_mode(init: Callable[[], object]) -> Callable[[F], F]:

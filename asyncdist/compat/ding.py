@@ -340,6 +340,7 @@ def dist_init(
         ValueError: ``backend`` is neither ``"nccl"`` nor ``"gloo"``.
         AsyncDistError: already initialised by ``dist_init``.
         InitError: the group could not be formed.
+        TypeError, ValueError: ``port`` is not a port number.
     """
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"dist_init: backend must be 'nccl' or 'gloo', not {backend!r}")
