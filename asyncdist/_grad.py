@@ -692,6 +692,26 @@ class GradientSync:
             if param.requires_grad:
                 raise self._changed(param, "requires grad now, but did not when the sync was made")
 
+    def _check_held(self) -> None:
+        """Refuse a step over parameters the module no longer holds: after
+        ``load_state_dict(..., assign=True)`` backward reaches new parameter
+        objects, without hooks, and trains on each rank's own gradients.
+        Checked only in a step that no synced backward reached (walking the
+        module costs tens of µs); a submodule replaced alone, while the rest
+        still reach the sync, is not caught (as DDP does not catch it)."""
+        held = {id(p) for p in self._module.parameters()}
+        replaced = sum(id(p) not in held for p in self._params)
+        if replaced:
+            raise AsyncDistError(
+                f"{self._name} on rank {self._carrier.rank}: {replaced} of its "
+                f"{len(self._params)} parameters are no longer the module's (replaced by "
+                f"load_state_dict(..., assign=True), or by a submodule assigned anew), so "
+                f"backward no longer reaches the sync and gradients would not be averaged. "
+                f"Make the sync after loading (or remove() this sync and make a new one); "
+                f"load_state_dict without assign=True copies into the same parameters. "
+                f"Nothing of this step was launched"
+            )
+
     def _changed(self, param: torch.Tensor, what: str) -> AsyncDistError:
         names = (repr(n) for n, p in self._module.named_parameters() if p is param)
         name = next(names, f"of shape {tuple(param.shape)} (no longer in the module)")
@@ -740,9 +760,10 @@ class GradientSync:
         callers share it). Progress lives on ``self``, so a cancelled await
         resumes where it stopped."""
         if self._order is None:
-            if self._phase is _Phase.IDLE and self._untouched():
-                return  # this step is finished already: awaiting it again changes nothing
             if self._phase is not _Phase.LAUNCHED:
+                self._check_held()  # backward does not reach replaced parameters' hooks
+                if self._phase is _Phase.IDLE and self._untouched():
+                    return  # this step is finished already: awaiting it again changes nothing
                 self._begin()  # no synced backward this step: reduce what there is
             self._launch_ready(everything=True)
             self._finishing = True

@@ -580,6 +580,27 @@ def test_awaiting_a_finished_step_again_changes_nothing(
         assert r == {"same_as_once": True, "agree": True}
 
 
+def _loaded_with_assign(s: DistSession) -> str:
+    model = BNNet()
+    sync = s.gradient_sync(model)
+    _loss(model, s.rank, 0).backward()
+    sync.wait()
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    model.zero_grad(set_to_none=True)
+    _loss(model, s.rank, 1).backward()  # reaches the new parameters: no hooks
+    try:
+        sync.wait()
+    except AsyncDistError as exc:
+        return str(exc)
+    return "averaged nothing, silently"
+
+
+def test_parameters_replaced_by_load_state_dict_assign_are_refused() -> None:
+    for message in spawn(_loaded_with_assign, 2, timeout=60):
+        assert "6 parameters are no longer the module's" in message, message
+        assert "assign=True" in message
+
+
 def test_waiting_on_a_removed_sync_says_what_was_not_averaged() -> None:
     """A step launched and never finished when the sync was removed, or when
     its session ended, used to let ``wait()`` return with each rank's own
