@@ -564,7 +564,7 @@ class GradientSync:
         self._stepped = False  # the update of this step is done; a manual step would repeat it
         # each parameter's .grad as the last finished step left it, with its
         # version: while they are untouched, `await sync` again is a no-op
-        self._finished: list[tuple[torch.Tensor | None, int]] | None = None
+        self._finished: list[tuple[weakref.ref[torch.Tensor] | None, int]] | None = None
 
     # -- buckets ----------------------------------------------------------------------
 
@@ -812,8 +812,10 @@ class GradientSync:
                     self._carrier.rank,
                 )
         self._phase, self._finishing = _Phase.IDLE, False
+        # weakly: a dropped gradient (zero_grad(set_to_none=True)) must not
+        # keep its bucket's memory alive (after the first step's rebuild)
         self._finished = [
-            (grad, -1 if grad is None else grad._version)
+            (None, -1) if grad is None else (weakref.ref(grad), grad._version)
             for grad in (param.grad for param in self._params)
         ]
 
@@ -824,8 +826,12 @@ class GradientSync:
         finished = self._finished
         if finished is None:
             return False
-        for param, (grad, version) in zip(self._params, finished, strict=True):
-            if param.grad is not grad or (grad is not None and grad._version != version):
+        for param, (ref, version) in zip(self._params, finished, strict=True):
+            grad = param.grad
+            if ref is None:
+                if grad is not None:
+                    return False
+            elif grad is None or grad is not ref() or grad._version != version:
                 return False
         return True
 
