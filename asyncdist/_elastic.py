@@ -42,6 +42,11 @@ class ElasticState:
     ) -> None:
         objects, values = {}, {}
         for name, item in items.items():
+            if isinstance(item, type):
+                raise TypeError(
+                    f"elastic_state: {name}= is the class {item.__name__}, not an object of "
+                    "it: pass the module, optimizer or scheduler itself (an instance)"
+                )
             if callable(getattr(item, "state_dict", None)) and callable(
                 getattr(item, "load_state_dict", None)
             ):
@@ -51,6 +56,16 @@ class ElasticState:
                     f"elastic_state: {name}= must have state_dict()/load_state_dict() (a "
                     f"module, optimizer, scheduler...) or be a plain value (a number, a "
                     f"string, a list...), not {type(item).__name__}"
+                )
+            elif _holds_tensor(item):
+                # e.g. model.state_dict() or list(model.parameters()): a plain
+                # value is restored as a value, never loaded into the model
+                raise TypeError(
+                    f"elastic_state: {name}= holds tensors (in a {type(item).__name__}); as "
+                    "a plain value it would be restored apart from the objects they came "
+                    "from, never loaded into them. Pass the module or optimizer object "
+                    f"itself ({name}=model, not {name}=model.state_dict() or "
+                    "list(model.parameters()))"
                 )
             else:
                 values[name] = item
@@ -141,6 +156,11 @@ class ElasticState:
             for item in self._objects.values()
         )
 
+    def holds_object(self, item: object) -> bool:
+        """Whether ``item`` itself (by identity: an optimizer, a scheduler)
+        is one of the objects this state restores."""
+        return any(held is item for held in self._objects.values())
+
     def committed(self) -> tuple[int, dict[str, Any] | None]:
         """(commits, the last commit) to send to the ranks of a new world."""
         return self._commits, self._snapshot
@@ -163,6 +183,21 @@ class ElasticState:
         self._commits = commits
 
 
+def _holds_tensor(value: object) -> bool:
+    """Whether a tensor is anywhere inside ``value`` (dicts, lists, tuples,
+    sets, nested; a container met twice is walked once)."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            return True
+        if isinstance(item, (dict, list, tuple, set, frozenset)) and id(item) not in seen:
+            seen.add(id(item))
+            todo.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)
+    return False
+
+
 class _Ending(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"  # the block ended normally: training is done
@@ -181,7 +216,7 @@ class World:
         world_size: how many ranks it has.
         generation: 0 for the first world, one more after every re-form.
         restored: how many commits the state restored at its start holds
-            (0: the state as it was when the loop began).
+            (a loop's first world: the commit the loop's start took included).
         reason: why the previous world ended ("" for the first).
     """
 

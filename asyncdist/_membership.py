@@ -326,7 +326,9 @@ class Coordinator:
 
         Raises:
             MembershipLost: no world took it in within the timeout (while
-                there was room), or every member of the last world is gone.
+                there was room), or every member of the last world is gone
+                (``why="finished"`` when each of them ended its session
+                normally: the training is over).
         """
         number = int(self.store.add("joins", 1))
         self.create(f"join/{number}", self.me)
@@ -343,6 +345,14 @@ class Coordinator:
             if max_world_size is not None and len(members) >= max_world_size:
                 deadline = time.monotonic() + self.timeout + REFORM_GRACE  # a spare waits
             if members and self._gone(members, beats, time.monotonic()) >= set(members):
+                if all(self._finished(m) for m in members):
+                    raise MembershipLost(
+                        f"this process ({self.me}) registered to join the elastic session, "
+                        f"but the session has finished: every member of its last world "
+                        f"({len(members)}) ended its session normally before a commit took "
+                        "this process in. There is nothing left to train",
+                        why="finished",
+                    )
                 raise MembershipLost(
                     f"this process ({self.me}) registered to join the elastic session, but "
                     f"every member of its last world ({len(members)}) is gone, and the "
@@ -564,6 +574,12 @@ class Coordinator:
     def leave(self, how: str) -> None:
         """This member is gone for good (its session ended)."""
         self.create(f"dead/{self.me}", how)
+
+    def _finished(self, member: str) -> bool:
+        """Whether ``member`` left after its session ended normally (not
+        died, nor raised)."""
+        key = f"dead/{member}"
+        return self.has(key) and self.read(key) == "finished"
 
     def forget(self, generation: int, keep: Sequence[str]) -> None:
         """Delete world ``generation``'s keys (its re-forming records and its
@@ -877,7 +893,9 @@ class Membership:
         except (RuntimeError, dist.DistError) as exc:
             logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)
             return False
-        return self._planned == commits
+        # ``>=``: a commit an elastic loop's start takes (not checked here)
+        # may be the planned one; the world then ends at the next, on every rank
+        return self._planned is not None and commits >= self._planned
 
     def _where(self) -> str:
         host, port = self._address or ("?", 0)

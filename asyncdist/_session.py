@@ -32,7 +32,7 @@ from ._elastic import ElasticState, World, Worlds
 from ._env import (
     timeout_seconds,
 )
-from ._grad import GradientSync, Options, detach, module_of, regenerate
+from ._grad import GradientSync, Options, detach, module_of, optimizer_of, regenerate
 from ._lane import Lane
 from ._membership import Decision, check_world_sizes
 from ._membership import Membership as _Membership
@@ -151,6 +151,10 @@ class DistSession(Collectives):
             _Membership(min_world_size, max_world_size) if elastic else None
         )
         self._looping = False  # elastic: the loop over worlds has begun
+        # elastic: the current world's members and the commits it started
+        # from, and how many re-forms in a row changed neither (see _stalls)
+        self._began: tuple[frozenset[str], int] | None = None
+        self._fruitless = 0
         self._requested_channels = tuple(channels)
         for name in self._requested_channels:
             check_channel_name(name)
@@ -560,7 +564,8 @@ class DistSession(Collectives):
 
         Raises:
             AsyncDistError: the session is not elastic.
-            TypeError: an item is neither.
+            TypeError: an item is neither, or is a class, or a value that
+                holds tensors (``model.state_dict()``: pass ``model`` itself).
         """
         membership = self._elastic_membership("elastic_state")
 
@@ -576,8 +581,10 @@ class DistSession(Collectives):
         s.elastic(state):`` (``for`` in sync code), the body inside ``async
         with world:`` (``with world:``).
 
-        The first world starts from rank 0's ``state`` (sent to every rank,
-        then committed). When a rank dies, goes silent past the timeout or
+        Each loop starts from ``state`` as it finds it: every rank commits
+        it, and the first world that forms sends its rank 0's to every rank
+        (launch rank 0's, or the survivor's that is rank 0 once it died).
+        When a rank dies, goes silent past the timeout or
         leaves, the block ends with the failure, the survivors agree on a new
         world on the coordinator (a strict majority of the last world, at
         least ``min_world_size``), re-form the session's groups and channels
@@ -588,9 +595,12 @@ class DistSession(Collectives):
         the new world size. When the block ends normally the loop stops.
 
         Raises:
-            AsyncDistError: the session is not elastic, or the body did not
-                run inside ``with world:``.
-            MembershipLost: (from the loop) no next world for this rank.
+            AsyncDistError: the session is not elastic, the body did not
+                run inside ``with world:``, or a gradient sync's module or
+                optimizer (``optimizer=``) is not in ``state``.
+            MembershipLost: (from the loop) no next world for this rank, or
+                (``why="no_progress"``) the worlds keep failing at the same
+                step with every rank present (a program error: see the guide).
         """
         membership = self._elastic_membership("elastic")
         if not isinstance(state, ElasticState):
@@ -665,8 +675,10 @@ class DistSession(Collectives):
         return int(commits)
 
     def _check_state(self, state: ElasticState) -> None:
-        """Refuse a gradient sync whose module the state does not restore: its
-        parameters would differ between ranks after a re-form, silently."""
+        """Refuse a gradient sync whose module, or whose optimizer (``optimizer=``),
+        the state does not restore: parameters or optimizer state would differ
+        between ranks after a re-form (a joiner's optimizer would start empty),
+        silently."""
         for sync in self._syncs:
             if not state.holds(module_of(sync)):
                 raise AsyncDistError(
@@ -674,12 +686,34 @@ class DistSession(Collectives):
                     "re-form its parameters would differ between ranks. Pass the model to "
                     "s.elastic_state(model=...)"
                 )
+            optimizer = optimizer_of(sync)
+            if optimizer is not None and not state.holds_object(optimizer):
+                raise AsyncDistError(
+                    f"{sync!r} steps an optimizer (optimizer=) the elastic state does not "
+                    "hold: after a re-form its state (Adam's moments, the step count) would "
+                    "differ between ranks, and a joiner's would start empty. Pass it to "
+                    "s.elastic_state(optimizer=...)"
+                )
 
     def _first_world(self, membership: _Membership, state: ElasticState) -> World:
+        # a joiner's first loop starts from the state of the world it joins
+        joined = membership.joined if not self._looping else None
         self._looping = True
         self._check_state(state)
-        if state.commits == 0 and self.rank == 0 and membership.joined is None:
-            state.take()  # the state as the loop found it
+        if joined is None:
+            # The state as this loop found it, taken on every member: whichever
+            # rank is rank 0 of the first world that forms (rank 0 may die
+            # before it shares) has one to share, so every rank goes on from
+            # one state. A later loop starts from its own state too, never
+            # from an older commit. The counts agree (every member commits
+            # at the same steps), as a re-form's choice of rank 0 needs.
+            state.take()
+        self._began = (
+            (frozenset(membership.members), state.commits)
+            if joined is None
+            else (frozenset(joined.members), joined.commits)
+        )
+        self._fruitless = 0
         try:
             restored = self._share_state(state)
         except AsyncDistError as exc:
@@ -688,7 +722,6 @@ class DistSession(Collectives):
             failed = self._world(membership, 0, "")
             failed.error = exc  # a member failed before the first step: re-form at once
             return self._next_world(membership, state, failed)
-        joined = membership.joined
         reason = "" if joined is None else f"joined: {joined.reason}"
         return self._world(membership, restored, reason)
 
@@ -710,7 +743,7 @@ class DistSession(Collectives):
                 if isinstance(error, MembershipChanged)
                 else f"{type(error).__name__} on rank {self.rank}: {error}"
             )
-            decision, world = self._agree(membership, state, reason)
+            decision, world = self._agree(membership, state, reason, error)
             lane = Lane.root(world, timeout=self._timeout, debug=self._debug)
             old, self._lane = self._lane, lane
             lane.tracer = None if old is None else old.tracer
@@ -729,10 +762,19 @@ class DistSession(Collectives):
             return self._world(membership, restored, decision.reason)
 
     def _agree(
-        self, membership: _Membership, state: ElasticState, reason: str
+        self,
+        membership: _Membership,
+        state: ElasticState,
+        reason: str,
+        error: BaseException | None,
     ) -> tuple[Decision, _groups.World]:
-        """Leave the current world and agree on, and form, the next one's
-        default group: its decision and the group."""
+        """Leave the current world (which ``error`` ended) and agree on, and
+        form, the next one's default group: its decision and the group.
+
+        Raises:
+            MembershipLost: no next world for this rank, or the worlds keep
+                failing without progress (``_stalls``).
+        """
         old = self._lane
         assert old is not None
         membership.end(reason)
@@ -750,6 +792,7 @@ class DistSession(Collectives):
         release = old.close(defer=True)
         try:
             decision = membership.reform(reason, old.rank, state.commits, names)
+            self._stalls(decision, error)
             rank = decision.members.index(membership.me)
             return decision, membership.form(decision.generation, rank, len(decision.members))
         except (MembershipLost, InitError) as exc:
@@ -758,9 +801,41 @@ class DistSession(Collectives):
             )
             old.health.record_fault(lost)
             old.health.mark_seen(lost)
-            raise lost from (None if lost is exc else exc)
+            raise lost from (exc.__cause__ if lost is exc else exc)
         finally:
             release()
+
+    def _stalls(self, decision: Decision, error: BaseException | None) -> None:
+        """Refuse a second re-form in a row into the same world at the same
+        commit: every member was still there, nobody joined, and nobody
+        committed since the world began, twice. No peer is lost then; the
+        world keeps failing at the same step, which is the program's doing
+        (ranks issuing different collectives, one rank waiting on something
+        the others never send), and re-forming would redo it forever. One
+        such re-form is allowed (a transient fault). Every member decides
+        alike: it reads only the agreed decisions.
+
+        Raises:
+            MembershipLost: (``why="no_progress"``) the second such re-form,
+                chained to the error that ended the world.
+        """
+        began = (frozenset(decision.members), decision.commits)
+        self._fruitless = self._fruitless + 1 if began == self._began else 0
+        self._began = began
+        if self._fruitless < 2:
+            return
+        cause = "" if error is None else f"; the last ended with {type(error).__name__}: {error}"
+        lost = MembershipLost(
+            f"rank {self.rank}: the elastic session's worlds keep failing at the same step "
+            f"without progress: every rank is alive and present, yet world "
+            f"{decision.generation - 2} and world {decision.generation - 1} both ended before "
+            f"any commit past commit {decision.commits}, with the same "
+            f"{len(decision.members)} ranks. No peer is lost, so this looks like a program "
+            "error (ranks issuing different collectives, or one rank waiting on a collective "
+            f"the others never issue), not a failure re-forming can mend{cause}",
+            why="no_progress",
+        )
+        raise lost from error
 
     # -- tracing ------------------------------------------------------------------------
 

@@ -28,7 +28,14 @@ from typing import Any
 from ._debug import debug_from_env
 from ._membership import COORDINATOR_ENV, JOIN_ENV, check_world_sizes, dead_key
 from ._store import host_loopback_store
-from .errors import AsyncDistError, CollectiveError, PeerFailure, SessionBroken, mismatch_hint
+from .errors import (
+    AsyncDistError,
+    CollectiveError,
+    MembershipLost,
+    PeerFailure,
+    SessionBroken,
+    mismatch_hint,
+)
 
 # Once a rank's own error (or its death) is known, the other ranks get this
 # long to finish or fail on their own (they usually see PeerFailure at once,
@@ -239,10 +246,14 @@ def spawn(
     Returns:
         The ranks' return values, indexed by launch rank. With ``elastic``,
         a rank that died holds its ``PeerFailure`` (saying how it exited)
-        instead, as ``asyncio.gather(..., return_exceptions=True)`` does.
+        instead, as ``asyncio.gather(..., return_exceptions=True)`` does; with
+        ``max_restarts``, its replacement's result, or still the
+        ``PeerFailure`` (with a note) if the replacement came after the
+        others had finished.
 
     Raises:
-        TypeError: ``fn`` cannot be pickled (a lambda or nested function).
+        TypeError: ``fn`` cannot be pickled (a lambda or nested function), or
+            ``elastic`` is not a bool (as ``DistSession`` refuses it).
         ValueError: a bad ``world_size``, ``max_restarts``, ``min_world_size``
             or ``max_world_size`` (nothing is started).
         RuntimeError: the ranks could not start because the main script calls
@@ -272,6 +283,8 @@ def spawn(
         "debug": debug,
         "channels": tuple(channels),
     }
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be True or False, not {elastic!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
     if max_restarts and not elastic:
@@ -430,9 +443,12 @@ def _collect(
     written down as dead (so the others re-form without waiting for it)
     and its slot of the results holds its error; the run goes on, and
     ``replace(rank)`` may start a joiner in its place (``procs`` and
-    ``conns`` then hold the new process).
+    ``conns`` then hold the new process). A replacement that arrives after
+    the others finished (``MembershipLost(why="finished")``) is no failure:
+    its slot keeps the dead rank's error.
     """
     results: dict[int, Any] = {}
+    replaced: set[int] = set()
     errors: list[BaseException] = []
     pending = dict(conns)
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
@@ -472,10 +488,20 @@ def _collect(
                     coordinator.set(dead_key(member), f"exit {procs[rank].exitcode}")
                     results[rank] = error
                     if replace(rank):
+                        replaced.add(rank)
                         pending[rank] = conns[rank]
                     continue
             elif message[0] == "ok":
                 results[rank] = message[1]
+                continue
+            elif (
+                rank in replaced
+                and isinstance(message[1], MembershipLost)
+                and message[1].why == "finished"
+            ):
+                results[rank].add_note(
+                    f"its replacement came after the others had finished: {message[1]}"
+                )
                 continue
             else:
                 error = message[1]

@@ -251,6 +251,77 @@ def test_below_min_world_size_the_survivor_is_told_within_the_bound() -> None:
     assert seen["after"] < TIMEOUT + REFORM_GRACE
 
 
+async def _rank_0_dies_before_the_loop(s: DistSession) -> dict[str, Any]:
+    """Every rank starts from weights of its own (no common seed); rank 0
+    dies before the loop's first world has shared its state."""
+    torch.manual_seed(100 + s.rank)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    if s.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    worlds = []
+    async for world in s.elastic(state):
+        worlds.append((world.generation, world.world_size, world.restored))
+        async with world:
+            while state.step < 3:
+                opt.zero_grad()
+                model(torch.ones(8, 4)).pow(2).mean().backward()
+                await sync
+                opt.step()
+                state.step += 1
+                state.commit()
+    return {"worlds": worlds, "params": _params(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_rank_0_dying_before_the_first_share_leaves_the_survivors_one_state() -> None:
+    """Each member takes the state as the loop found it, so the survivor that
+    becomes rank 0 has one to share: the survivors start from its weights,
+    not each from its own."""
+    _, first, second = spawn(
+        _rank_0_dies_before_the_loop, 3, elastic=True, min_world_size=2, timeout=TIMEOUT
+    )
+    assert first["worlds"] == second["worlds"] == [(1, 2, 1)]
+    assert _bitwise(first["params"], second["params"])
+
+
+async def _two_loops(s: DistSession) -> list[dict[str, Any]]:
+    """Two elastic loops in one session (say pretraining, then fine-tuning);
+    each trains to step 5, committing at step 3: the first ends 2 steps past
+    its last commit."""
+    model, opt, state, sync = _set_up(s)
+    loops = []
+    for _loop in range(2):
+        ended: dict[str, Any] = {}
+        async for world in s.elastic(state):
+            ended |= {"began": (state.step, world.restored, _params(model))}
+            async with world:
+                while state.step < 5:
+                    _step(model, opt, state.step, world.rank)
+                    await sync
+                    opt.step()
+                    state.step += 1
+                    if state.step % EVERY == 0:
+                        state.commit()
+        loops.append(ended | {"ended": (state.step, _params(model))})
+    return loops
+
+
+def test_a_second_loop_starts_from_the_state_the_first_left() -> None:
+    """A later loop starts from the state as it finds it (committed then, as
+    the first), never from the first loop's last commit (step 3)."""
+    for first, second in spawn(_two_loops, 2, elastic=True, timeout=TIMEOUT):
+        assert first["began"][:2] == (0, 1)
+        assert first["ended"][0] == 5
+        # its own commit (count 3: the first loop's start, step 3, this start)
+        assert second["began"][:2] == (5, 3)
+        assert _bitwise(second["began"][2], first["ended"][1])
+        assert _bitwise(second["ended"][1], first["ended"][1])
+
+
 # -- misuse ----------------------------------------------------------------------------
 
 
@@ -269,6 +340,12 @@ async def _misuse(s: DistSession, case: str) -> str:
             s.gradient_sync(model)
             async for _world in s.elastic(state):
                 pass
+        elif case == "sync's optimizer not in state":
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            state = s.elastic_state(model=model, step=0)
+            s.gradient_sync(model, optimizer=opt)
+            async for _world in s.elastic(state):
+                pass
     except AsyncDistError as exc:
         return str(exc)
     return "no error"
@@ -280,6 +357,7 @@ async def _misuse(s: DistSession, case: str) -> str:
         ("no block", "must run inside `with world:`"),
         ("collective first", "inside the elastic loop"),
         ("sync not in state", "elastic_state(model=...)"),
+        ("sync's optimizer not in state", "elastic_state(optimizer=...)"),
     ],
 )
 def test_misuse_is_refused_on_every_rank(case: str, said: str) -> None:
@@ -416,6 +494,34 @@ def test_elastic_state_values_are_attributes_and_objects_are_restored_in_place()
         state.epoch = 1
     with pytest.raises(TypeError, match="state_dict"):
         ElasticState({"tensor": torch.ones(1)}, lambda: None)
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        pytest.param(lambda: _model().state_dict(), id="a state_dict"),
+        pytest.param(lambda: list(_model().parameters()), id="a list of parameters"),
+        pytest.param(lambda: {"best": [(1, torch.zeros(2))]}, id="a tensor deep inside"),
+        pytest.param(lambda: {torch.zeros(1)}, id="a set of tensors"),
+    ],
+)
+def test_tensors_inside_a_plain_value_are_refused(item: Any) -> None:
+    """A plain value is restored as a value: a state_dict given as one would
+    be a separate copy, never loaded into the model."""
+    with pytest.raises(TypeError, match="Pass the module or optimizer object itself"):
+        ElasticState({"weights": item()}, lambda: None)
+
+
+def test_a_class_is_refused_and_plain_nested_values_are_kept() -> None:
+    with pytest.raises(TypeError, match="the class Linear, not an object of it"):
+        ElasticState({"model": torch.nn.Linear}, lambda: None)
+    state = ElasticState({"log": {"loss": [1.0, (2, "x")], "seen": {3}}}, lambda: None)
+    assert state.log == {"loss": [1.0, (2, "x")], "seen": {3}}
+
+
+def test_spawn_refuses_a_non_bool_elastic_as_the_session_does() -> None:
+    with pytest.raises(TypeError, match="elastic must be True or False"):
+        spawn(_capped_rank, 2, args=("",), elastic=1)  # type: ignore[arg-type]
 
 
 # -- the membership rule (pure) ---------------------------------------------------------
@@ -644,6 +750,44 @@ def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(async_backend:
     assert _bitwise(
         first["params"], _replayed_worlds([(3, 0, 3), (2, 3, regrown), (3, regrown, end)])
     )
+
+
+async def _done_before_the_replacement(s: DistSession) -> int:
+    """Rank 2 dies; the survivors finish without another commit, so the
+    replacement can never be taken in: it comes to a finished session."""
+    model, opt, state, sync = _set_up(s)
+    joining = "ASYNCDIST_ELASTIC_JOIN" in os.environ
+    async for world in s.elastic(state):
+        async with world:
+            while state.step < 8:
+                if s.rank == 2 and world.generation == 0 and state.step == 4 and not joining:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _step(model, opt, state.step, world.rank)
+                await sync
+                opt.step()
+                state.step += 1
+                if state.step == EVERY:
+                    state.commit()
+    return state.step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_replacement_after_the_others_finished_leaves_their_results() -> None:
+    results = spawn(
+        _done_before_the_replacement,
+        3,
+        elastic=True,
+        min_world_size=2,
+        max_restarts=1,
+        timeout=TIMEOUT,
+        join_timeout=80,
+    )
+    assert results[:2] == [8, 8]
+    dead = results[2]
+    assert isinstance(dead, PeerFailure)
+    assert "exited with code -9" in str(dead)
+    assert any("came after the others had finished" in note for note in dead.__notes__)
 
 
 # -- a capped world: a spare waits, and takes a dead rank's place --------------------------
@@ -1026,6 +1170,53 @@ def test_a_stopped_rank_is_left_behind_and_told_so_when_it_resumes(tmp_path: Any
     assert _bitwise(first["params"], second["params"])
     assert stopped_rank == {"worlds": [(0, 3)], "lost": "evicted"}
     assert reformed < QUICK + REFORM_GRACE + 3
+
+
+async def _a_program_bug(s: DistSession) -> dict[str, Any]:
+    """At step 3 rank 0 issues an allreduce no other rank issues (a bug in
+    the program, not a lost peer): every world ends there, at the timeout."""
+    model, opt, state, sync = _set_up(s)
+    worlds = []
+    started = time.monotonic()
+    try:
+        async for world in s.elastic(state):
+            worlds.append((world.generation, world.world_size, state.step))
+            async with world:
+                while state.step < 6:
+                    if s.rank == 0 and state.step == 3:
+                        await s.allreduce(torch.ones(1))
+                    _step(model, opt, state.step, world.rank)
+                    await sync
+                    opt.step()
+                    state.step += 1
+                    if state.step % 2 == 0:
+                        state.commit()
+    except MembershipLost as exc:
+        return {
+            "worlds": worlds,
+            "why": exc.why,
+            "message": str(exc),
+            "cause": type(exc.__cause__).__name__,
+            "took": time.monotonic() - started,
+        }
+    return {"worlds": worlds, "finished": True}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_program_error_with_every_rank_alive_ends_the_loop_instead_of_re_forming() -> None:
+    """The world keeps failing at the same step with the same ranks and no
+    commit: one re-form at the same commit is allowed (a passing fault), the
+    second is refused on every rank, with the world's error chained."""
+    results = spawn(_a_program_bug, 3, elastic=True, timeout=QUICK, join_timeout=80)
+    for result in results:
+        # world 0 committed at step 2 before failing; worlds 1 and 2 began there
+        assert result["worlds"] == [(0, 3, 0), (1, 3, 2), (2, 3, 2)], result
+        assert result["why"] == "no_progress"
+        assert "every rank is alive" in result["message"]
+        assert "program error" in result["message"]
+        assert result["cause"] in ("CollectiveTimeout", "MembershipChanged", "PeerFailure")
+        assert result["took"] < 3 * (QUICK + REFORM_GRACE)
 
 
 async def _one_slow_step(s: DistSession) -> list[int]:
