@@ -28,6 +28,9 @@ from .errors import SessionClosed
 T = TypeVar("T")
 
 
+_INT64_MAX = 2**63 - 1
+
+
 class Collectives:
     """Every collective, issued at once on this object's lane (``_lane``),
     and the properties every lane has.
@@ -223,7 +226,9 @@ class Collectives:
                 name,
                 "all_gather",
                 lambda: list(out.view(world, *shape).unbind(0)),
-                inputs=(tensor.reshape(-1),),  # a copy only if tensor is strided
+                # detached: only read, and autograd must not see the backend's
+                # use of it; a copy only if tensor is strided
+                inputs=(tensor.detach().reshape(-1),),
                 outputs=(out,),
                 described=(tensor,),
             )
@@ -297,8 +302,9 @@ class Collectives:
                 name,
                 "reduce_scatter",
                 _ops.averaged(out, reduction, world),
-                # .contiguous(): a no-op unless strided (which view_as_real refuses)
-                inputs=(_ops.wire(tensor.contiguous()).reshape(-1),),
+                # detached (only read); .contiguous(): a no-op unless strided
+                # (which view_as_real refuses)
+                inputs=(_ops.wire(tensor.detach().contiguous()).reshape(-1),),
                 outputs=(_ops.wire(out).reshape(-1),),
                 reduce=reduction,
                 described=(tensor,),
@@ -551,11 +557,17 @@ class Collectives:
             TypeError: a leaf that is neither a tensor nor a number (a
                 ``bool`` included), or a bad op; the path of the leaf is named.
             ValueError: a tensor or op a collective refuses (``"mean"`` of an
-                integer tensor, say).
+                integer tensor, say), or an ``int`` too large for int64 (for
+                ``"sum"``: larger than int64's maximum over the world size,
+                so that the sum cannot wrap around).
         """
         name = "allreduce_tree"
         comm = self._usable(name)
-        mean = _ops.reduction_name(op, collective=name) == "mean"
+        reduction = _ops.reduction_name(op, collective=name)
+        mean = reduction == "mean"
+        # an int travels as int64: a sum of world_size of them must fit too
+        # (gloo's would wrap around silently)
+        limit = _INT64_MAX // comm.world_size if reduction == "sum" else _INT64_MAX
         leaves, rebuild = _tree.flatten(tree, collective=name)
         tensors: list[torch.Tensor] = []
         numbers: dict[torch.dtype, list[tuple[int, float | int]]] = {}
@@ -564,6 +576,12 @@ class Collectives:
                 tensors.append(self._tensor(comm, leaf, name, path))
             else:
                 wide = torch.float64 if mean or isinstance(leaf, float) else torch.int64
+                if wide is torch.int64 and not -limit <= leaf <= limit:
+                    raise ValueError(
+                        f"{name}: {path} = {leaf} is too large to {reduction} exactly as an "
+                        f"int64 across {comm.world_size} ranks (at most {limit} in magnitude); "
+                        "pass it as a float, or split it"
+                    )
                 numbers.setdefault(wide, []).append((index, leaf))
         carriers = {
             dtype: torch.tensor([v for _, v in found], dtype=dtype, device=comm.device)

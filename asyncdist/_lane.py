@@ -47,7 +47,7 @@ from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
 from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
 from ._wire import Route, Spec, device_type
-from .errors import CollectiveMismatch, Leaving, SessionBroken, SessionClosed
+from .errors import CollectiveMismatch, CollectiveTimeout, Leaving, SessionBroken, SessionClosed
 
 logger = logging.getLogger("asyncdist")
 
@@ -617,10 +617,17 @@ class Lane:
         it) on purpose, before any group is destroyed: a peer still waiting in
         a collective then learns why its connection closed. ``how``: how the
         block ended (normally, by an exception, an interrupt, a cancellation).
-        Skipped once broken (the fault explains it). Bounded by
-        ``NOTICE_TIMEOUT``; one store request when all is well."""
-        if self._notices is not None and not self._closed and self.health.fault is None:
+        Skipped once broken by a dead peer (the fault explains it, and the
+        store may have died with it); after a timeout, told (the silent
+        peer may wake, and must not blame a crash). Bounded by
+        ``NOTICE_TIMEOUT``; one store request."""
+        fault = self.health.fault
+        if self._notices is None or self._closed:
+            return
+        if fault is None:
             self._notices.post(self.health.rank, how)
+        elif isinstance(fault, CollectiveTimeout):
+            self._notices.post(self.health.rank, "timed_out")
 
     def close(self, *, defer: bool = False) -> Callable[[], None]:
         """Release everything, in the order that keeps gloo from aborting

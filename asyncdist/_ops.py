@@ -188,14 +188,24 @@ def check_tensor(
 
     Raises:
         TypeError: not a tensor.
-        ValueError: sparse, non-contiguous and written in place, a dtype the
-            backend cannot carry, or on a device this session's backend
-            cannot use.
+        ValueError: sparse, a lazy conjugate or negative view,
+            non-contiguous and written in place, a dtype the backend cannot
+            carry, or on a device this session's backend cannot use.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{collective}: {what} must be a torch.Tensor, not {type(tensor).__name__}")
     if tensor.is_sparse:
         raise ValueError(f"{collective}: {what} is sparse; pass a dense tensor")
+    if tensor.is_conj() or tensor.is_neg():
+        # a lazy view: its memory holds the unconjugated (unnegated) values,
+        # which is what the wire would carry, or be written into
+        kind, fix = (
+            ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
+        )
+        raise ValueError(
+            f"{collective}: {what} is a lazy {kind} view (from .conj() or similar); pass "
+            f"{what}.{fix}() (torch's collectives refuse it too)"
+        )
     if not read_only and not tensor.is_contiguous():
         raise ValueError(_not_contiguous(collective, what))
     if backend == "gloo":

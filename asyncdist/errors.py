@@ -135,13 +135,16 @@ class MembershipLost(SessionBroken):
     ranks than ``min_world_size`` are left (for a joiner: none is left to
     take it in), the survivors are not a strict majority of the last world
     (the other side of a partition may go on), this rank was left out of the
-    new world, or the re-forming did not finish within the session timeout.
-    The message names which, and who is gone.
+    new world, the re-forming did not finish within the session timeout, or
+    the same ranks keep failing at the same step (a program error, not a
+    lost peer). The message names which, and who is gone.
 
     Attributes:
-        why: ``"too_few"``, ``"no_majority"``, ``"evicted"``, ``"timeout"``
-            or ``"coordinator"`` (the store that coordinates the members is
-            unreachable).
+        why: ``"too_few"``, ``"no_majority"``, ``"evicted"``, ``"timeout"``,
+            ``"coordinator"`` (the store that coordinates the members is
+            unreachable), ``"no_progress"`` (every rank alive, two re-forms
+            in a row at the same commit) or ``"finished"`` (a joiner came
+            after every member had finished).
     """
 
     def __init__(self, message: str, *, why: str = "") -> None:
@@ -162,9 +165,10 @@ class FinishError(CollectiveError):
     """
 
 
-Leaving = Literal["finished", "raised", "interrupted", "cancelled"]
+Leaving = Literal["finished", "raised", "interrupted", "cancelled", "timed_out"]
 """How a rank's block left a lane: it ended normally, by an exception, by
-``KeyboardInterrupt`` (Ctrl-C, SIGINT), or by cancellation of its task."""
+``KeyboardInterrupt`` (Ctrl-C, SIGINT), by cancellation of its task, or
+(however the block ended) after a collective of the lane timed out there."""
 
 
 class Departure(NamedTuple):
@@ -364,6 +368,13 @@ def _left_early(departure: Departure, *, op: str, rank: int) -> str:
         return (
             f"rank {peer} was interrupted (KeyboardInterrupt: Ctrl-C or SIGINT) and left "
             f"{departure.left} {waited}: the interrupt ended it, no rank crashed."
+        )
+    if how == "timed_out":
+        return (
+            f"rank {peer} gave up waiting for the others in a collective (its session timed "
+            f"out) and left {departure.left} {waited}: this rank, or another, was slower "
+            "than the session timeout, or stuck. Raise DistSession(timeout=...) if such a "
+            "delay is expected."
         )
     if how == "cancelled":
         return (

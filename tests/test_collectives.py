@@ -534,3 +534,75 @@ def test_a_contiguous_read_only_input_is_not_copied() -> None:
                 continue  # only the source sends chunks
             assert contiguous, f"rank {rank}: {name} copied a contiguous input"
             assert not strided, f"rank {rank}: {name} sent a strided input without a copy"
+
+
+def _requiring_grad(s: DistSession) -> dict[str, Any]:
+    """Every read-only call with a model output as its input (a tensor that
+    requires grad), then a plain allreduce: is the session still usable?"""
+    weight = torch.nn.Parameter(torch.ones(3, 4))
+    out: dict[str, Any] = {}
+    for name in READ_ONLY:
+        t = weight * (s.rank + 1)  # requires grad, as a model's output does
+        handles = _read_only_call(s, name, t)
+        results = [handle.wait() for handle in handles]
+        if name == "all_gather":
+            out[name] = [float(x.sum()) for x in results[0]]
+        elif name == "reduce_scatter":
+            out[name] = results[0].tolist()
+        else:
+            out[name] = "ok"
+    out["after"] = s.allreduce(torch.ones(1)).wait().tolist()
+    return out
+
+
+def test_read_only_inputs_may_require_grad() -> None:
+    """As with torch: gathering predictions or embeddings that require grad.
+    all_gather and reduce_scatter used to fail in the backend and break the
+    session."""
+    for r in spawn(_requiring_grad, 2, timeout=30):
+        assert r["all_gather"] == [12.0, 24.0]
+        # the sum is 3 * ones(3, 4); 3 rows do not split over 2 ranks, so each
+        # gets 6 of the 12 elements
+        assert r["reduce_scatter"] == [3.0] * 6
+        others = [name for name in READ_ONLY if name not in ("all_gather", "reduce_scatter")]
+        assert all(r[name] == "ok" for name in others), r
+        assert r["after"] == [2.0]
+
+
+def test_lazy_conjugate_and_negative_views_are_refused_before_launch() -> None:
+    """A ``.conj()`` view's memory holds the unconjugated values: broadcast
+    into one used to leave the receiver's tensor unchanged, silently."""
+    z = torch.full((2,), complex(1, 1), dtype=torch.complex64)
+    with DistSession() as s:
+        for call in (
+            lambda: s.broadcast(z.conj(), src=0),
+            lambda: s.allreduce(z.conj()),
+            lambda: s.all_gather(z.conj()),
+            lambda: s.allreduce_coalesced([z, z.conj()]),
+        ):
+            with pytest.raises(ValueError, match=r"lazy conjugate view .*resolve_conj\(\)"):
+                call()
+        with pytest.raises(ValueError, match=r"lazy negative view .*resolve_neg\(\)"):
+            s.allreduce(z.conj().imag)
+        assert s.broadcast(z.conj().resolve_conj(), src=0).wait().tolist() == [1 - 1j] * 2
+
+
+def _big_ints(s: DistSession) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        s.allreduce_tree({"tokens": [1, 2**62]}).wait()
+        out["sum"] = "no error"
+    except ValueError as exc:
+        out["sum"] = str(exc)
+    out["max"] = s.allreduce_tree({"tokens": 2**62 + s.rank}, op="max").wait()
+    out["fits"] = s.allreduce_tree({"tokens": 2**61}).wait()
+    return out
+
+
+def test_allreduce_tree_refuses_ints_whose_sum_could_wrap() -> None:
+    """int64 sums wrap around in the backend: 2**62 on each of 2 ranks came
+    back as -2**63."""
+    for r in spawn(_big_ints, 2, timeout=30):
+        assert "tree['tokens'][1] = 4611686018427387904 is too large to sum" in r["sum"], r
+        assert r["max"] == {"tokens": 2**62 + 1}
+        assert r["fits"] == {"tokens": 2**62}

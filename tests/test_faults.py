@@ -138,6 +138,35 @@ def test_silent_rank_times_out(how: str, tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 25, "finalize or the kill of the silent rank hung"
 
 
+def _wakes_late(s: DistSession) -> str:
+    """Rank 1 sleeps past the timeout; rank 0 times out, and its block goes
+    on and ends normally. What rank 1 is told once awake."""
+    if s.rank == 0:
+        try:
+            s.allreduce(torch.ones(4)).wait()
+        except CollectiveTimeout as exc:
+            return type(exc).__name__
+        return "completed"
+    time.sleep(4.0)
+    try:
+        s.allreduce(torch.ones(4)).wait()
+    except PeerFailure as exc:
+        return str(exc)
+    return "completed"
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_wakes_after_the_others_timed_out_is_not_told_of_a_crash() -> None:
+    """It used to read "a peer died or closed its connection without leaving
+    the session", with gloo's abort hint: the peer had left, after its
+    timeout, because this rank was late."""
+    timed_out, woke = spawn(_wakes_late, 2, timeout=2, join_timeout=30)
+    assert timed_out == "CollectiveTimeout"
+    assert "rank 0 gave up waiting for the others" in woke, woke
+    assert "DistSession(timeout=...)" in woke
+    assert "died" not in woke
+
+
 # -- 4: SIGTERM mid-step ---------------------------------------------------------------
 
 
