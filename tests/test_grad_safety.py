@@ -334,14 +334,25 @@ def test_a_model_changed_after_its_sync_is_refused_before_anything_launches(
 
 
 def test_a_changed_parameter_the_module_no_longer_holds_is_named_by_its_shape() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     old = model[0].weight
     with DistSession() as s:
         sync = s.gradient_sync(model)
-        model[0] = torch.nn.Linear(3, 2)  # replaced: not checked (as DDP does not)...
+        model[0] = torch.nn.Linear(3, 2)  # replaced alone: not checked (as DDP does not)...
         old.requires_grad_(False)  # ...but a synced parameter that changed still is
-        model(torch.ones(1, 3)).sum().backward()  # reaches no hook of the sync
         with pytest.raises(AsyncDistError, match=r"parameter of shape \(2, 3\) \(no longer"):
+            model(torch.ones(1, 3)).sum().backward()  # model[1]'s hooks begin the step
+        assert not sync.pending
+        sync.remove()
+
+
+def test_a_module_whose_every_synced_parameter_was_replaced_is_refused_at_wait() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with DistSession() as s:
+        sync = s.gradient_sync(model)
+        model[0] = torch.nn.Linear(3, 2)  # assigned anew: backward reaches no hook of the sync
+        model(torch.ones(1, 3)).sum().backward()
+        with pytest.raises(AsyncDistError, match=r"2 of its 2 parameters are no longer the"):
             sync.wait()
         sync.remove()
 
