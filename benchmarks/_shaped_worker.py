@@ -180,7 +180,7 @@ class _ConvNet(torch.nn.Module):
 SHAPES: dict[str, tuple[Any, tuple[int, ...]]] = {
     "wide": (lambda: _Mlp(1024, 4), (1024,)),  # wide and shallow: 4.2 M parameters in 10 tensors
     "deep": (lambda: _Mlp(256, 24), (256,)),  # deep and narrow: 1.6 M in 50 small tensors
-    # the shape of issue 25's independent instrument: 0.8 M in 10 tensors
+    # the shape of issue 25's independent instrument: 1.1 M in 10 tensors
     "mid": (lambda: _Mlp(512, 4), (512,)),
     "conv": (_ConvNet, (3, 32, 32)),  # conv + BatchNorm: 0.1 M parameters, compute bound
 }
