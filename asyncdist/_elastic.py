@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -21,8 +23,11 @@ from typing import Any
 
 import anyio
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import AsyncDistError, MembershipChanged
+
+logger = logging.getLogger("asyncdist")
 
 
 class ElasticState:
@@ -39,6 +44,7 @@ class ElasticState:
         items: dict[str, Any],
         busy: Callable[[], str | None],
         ends_at: Callable[[int], str | None] = lambda commits: None,
+        rank: Callable[[], int] = lambda: 0,
     ) -> None:
         objects, values = {}, {}
         for name, item in items.items():
@@ -73,8 +79,12 @@ class ElasticState:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_busy", busy)
         object.__setattr__(self, "_ends_at", ends_at)
+        object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_snapshot", None)
         object.__setattr__(self, "_commits", 0)
+        # optimizers whose steps were looked at (``check_step``), with how
+        # many parameter groups they had then: each is judged once
+        object.__setattr__(self, "_judged", weakref.WeakKeyDictionary())
 
     # plain values read and written as attributes: state.step += 1
     def __getattr__(self, name: str) -> Any:
@@ -161,6 +171,53 @@ class ElasticState:
         is one of the objects this state restores."""
         return any(held is item for held in self._objects.values())
 
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a step of an optimizer that updates this state's parameters
+        but is not part of the state: after a re-form the parameters would
+        be the commit's and its own state (Adam's moments, the step count,
+        the learning rate) the live one, and a joiner's would start empty, so
+        the replicas would drift apart silently. Judged once per optimizer
+        (again if it gains a parameter group); a step of an optimizer of
+        other parameters (a probe, a local model) passes.
+
+        Raises:
+            AsyncDistError: the optimizer is missing (nothing of the step ran).
+        """
+        groups = len(optimizer.param_groups)
+        if self._judged.get(optimizer) == groups:
+            return
+        if not self.holds_object(optimizer):
+            held = {
+                id(param)
+                for item in self._objects.values()
+                if isinstance(item, torch.nn.Module)
+                for param in item.parameters()
+            }
+            if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+                raise AsyncDistError(
+                    f"on rank {self._rank()}: {type(optimizer).__name__} steps parameters of "
+                    "the elastic state's model, but the state does not hold the optimizer: "
+                    "after a re-form the parameters would be the commit's and its state "
+                    "(moments, step count, learning rate) would not, and a joiner's would "
+                    "start empty, so the ranks would drift apart. Pass it: "
+                    "s.elastic_state(model=..., optimizer=...) (its scheduler too, if it "
+                    "has one). Nothing of this step ran"
+                )
+        elif getattr(optimizer.step, "_wrapped_by_lr_sched", False) and not any(
+            getattr(item, "optimizer", None) is optimizer for item in self._objects.values()
+        ):
+            # a scheduler was made for it (torch marks the optimizer's step),
+            # and none in the state is its: likely forgotten, perhaps discarded
+            logger.warning(
+                "on rank %d: a learning-rate scheduler was made for the %s in the elastic "
+                "state, but the state holds no scheduler of it: after a re-form a joiner's "
+                "schedule would start over, and its learning rate would differ from the "
+                "others'. Pass the scheduler too: s.elastic_state(..., scheduler=...)",
+                self._rank(),
+                type(optimizer).__name__,
+            )
+        self._judged[optimizer] = groups
+
     def committed(self) -> tuple[int, dict[str, Any] | None]:
         """(commits, the last commit) to send to the ranks of a new world."""
         return self._commits, self._snapshot
@@ -181,6 +238,37 @@ class ElasticState:
         self._values.update(copy.deepcopy(snapshot["values"]))
         self._snapshot = snapshot
         self._commits = commits
+
+
+# The elastic states of open sessions. While there is one, torch's global
+# optimizer step pre-hook shows each of them every optimizer step of the
+# process (``check_step``); the hook comes off with the last one.
+_GUARDED: weakref.WeakSet[ElasticState] = weakref.WeakSet()
+_step_hook: Any = None
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for state in list(_GUARDED):
+        state.check_step(optimizer)
+
+
+def guard(state: ElasticState) -> None:
+    """Check every optimizer step against ``state`` until ``unguard``."""
+    global _step_hook
+    _GUARDED.add(state)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_check_step)
+
+
+def unguard(states: weakref.WeakSet[ElasticState]) -> None:
+    """Stop checking ``states`` (their session ends); the hook comes off
+    once no state is left."""
+    global _step_hook
+    for state in list(states):
+        _GUARDED.discard(state)
+    if not _GUARDED and _step_hook is not None:
+        _step_hook.remove()
+        _step_hook = None
 
 
 def _holds_tensor(value: object) -> bool:

@@ -28,7 +28,7 @@ from . import _groups, _ops
 from ._channel import Channel, Channels, check_channel_name
 from ._collectives import Collectives
 from ._debug import debug_from_env
-from ._elastic import ElasticState, World, Worlds
+from ._elastic import ElasticState, World, Worlds, guard, unguard
 from ._env import (
     timeout_seconds,
 )
@@ -175,6 +175,7 @@ class DistSession(Collectives):
         self._channels = Channels()
         # the GradientSyncs made here: their hooks come off when the session ends
         self._syncs: weakref.WeakSet[GradientSync] = weakref.WeakSet()
+        self._states: weakref.WeakSet[ElasticState] = weakref.WeakSet()
 
     @classmethod
     def _sub_session(cls, parent: DistSession, lane: Lane) -> DistSession:
@@ -333,6 +334,7 @@ class DistSession(Collectives):
         if self._state is not State.OPEN:
             return
         detach(self._syncs, rank=self.rank, warn=left == "finished")
+        unguard(self._states)
         if left is not None and self._lane is not None:
             self._lane.leave(left)
         if self._membership is not None:
@@ -562,8 +564,16 @@ class DistSession(Collectives):
         N steps: after a re-form every rank goes on from the latest commit
         any survivor holds. See [elastic][asyncdist.DistSession.elastic].
 
+        The optimizer of the state's model belongs in it too, and so does
+        its scheduler: while the session is open, a step of an optimizer
+        that updates the state's parameters but is not in it raises (a
+        scheduler left out is warned about on the ``asyncdist`` logger).
+
         Raises:
-            AsyncDistError: the session is not elastic.
+            AsyncDistError: the session is not elastic; (at its first
+                ``step()``) an optimizer of the state's parameters that the
+                state does not hold: after a re-form its state would differ
+                between ranks, and a joiner's would start empty.
             TypeError: an item is neither, or is a class, or a value that
                 holds tensors (``model.state_dict()``: pass ``model`` itself).
         """
@@ -574,7 +584,10 @@ class DistSession(Collectives):
                 return "a rank joins"
             return None
 
-        return ElasticState(items, self._busy_sync, ends_at)
+        state = ElasticState(items, self._busy_sync, ends_at, lambda: self.rank)
+        guard(state)  # an optimizer of its model left out of it is refused at its step
+        self._states.add(state)
+        return state
 
     def elastic(self, state: ElasticState) -> Worlds:
         """The worlds of an elastic session: ``async for world in

@@ -14,16 +14,19 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from typing import Any
 
 import anyio
 import pytest
 import torch
+import torch.optim.optimizer as _optimizer
 from _stall import STALL_BOUND, no_stall
 
 from asyncdist import (
@@ -35,7 +38,7 @@ from asyncdist import (
     PeerFailure,
     spawn,
 )
-from asyncdist._elastic import ElasticState
+from asyncdist._elastic import ElasticState, guard, unguard
 from asyncdist._membership import REFORM_GRACE, Decision, Report, decide
 
 STEPS = 12
@@ -346,6 +349,19 @@ async def _misuse(s: DistSession, case: str) -> str:
             s.gradient_sync(model, optimizer=opt)
             async for _world in s.elastic(state):
                 pass
+        elif case == "optimizer not in state":
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            state = s.elastic_state(model=model, step=0)  # the optimizer forgotten
+            sync = s.gradient_sync(model)
+            before = _params(model)
+            async for world in s.elastic(state):
+                async with world:
+                    _step(model, opt, 0, world.rank)
+                    await sync
+                    try:
+                        opt.step()
+                    finally:
+                        assert _bitwise(_params(model), before)  # nothing of it ran
     except AsyncDistError as exc:
         return str(exc)
     return "no error"
@@ -358,11 +374,67 @@ async def _misuse(s: DistSession, case: str) -> str:
         ("collective first", "inside the elastic loop"),
         ("sync not in state", "elastic_state(model=...)"),
         ("sync's optimizer not in state", "elastic_state(optimizer=...)"),
+        ("optimizer not in state", "does not hold the optimizer"),
     ],
 )
 def test_misuse_is_refused_on_every_rank(case: str, said: str) -> None:
     told = spawn(_misuse, 2, args=(case,), elastic=True, timeout=TIMEOUT)
     assert all(said in t for t in told), told
+
+
+async def _optimizers_beside_the_state(s: DistSession) -> dict[str, Any]:
+    """A scheduler left out of the state, an optimizer of other parameters,
+    and one of the state's model stepped once the session is over."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("asyncdist").addHandler(handler)
+    model, probe = _model(), torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    state = s.elastic_state(model=model, optimizer=opt, step=0)
+    sync = s.gradient_sync(model)
+    async for world in s.elastic(state):
+        async with world:
+            for step in range(3):
+                _step(model, opt, step, world.rank)
+                await sync
+                opt.step()
+                sched.step()
+                probe(torch.ones(1, 2)).sum().backward()
+                probe_opt.step()  # not the state's parameters: no check
+    await s.__aexit__(None, None, None)
+    other = torch.optim.Adam(model.parameters(), lr=0.01)
+    _step(model, other, 0, 0)
+    other.step()  # the session is over: its state no longer looks
+    return {"said": [m for m in said if "scheduler" in m]}
+
+
+def test_a_scheduler_left_out_warns_once_and_other_optimizers_pass() -> None:
+    for rank, told in enumerate(spawn(_optimizers_beside_the_state, 2, elastic=True)):
+        assert len(told["said"]) == 1, told
+        assert f"on rank {rank}" in told["said"][0]
+        assert "elastic_state(..., scheduler=...)" in told["said"][0]
+
+
+def test_an_optimizer_check_comes_off_with_the_state() -> None:
+    """The global step hook lives only while a state is guarded."""
+    model = _model()
+    state = ElasticState({"model": model}, lambda: None, rank=lambda: 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0, 0)
+    hooks = len(_optimizer._global_optimizer_pre_hooks)
+    guard(state)
+    assert len(_optimizer._global_optimizer_pre_hooks) == hooks + 1
+    with pytest.raises(AsyncDistError, match="on rank 3: SGD steps parameters"):
+        opt.step()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    with pytest.raises(AsyncDistError, match="does not hold the optimizer"):
+        opt.step()  # judged again with its new group
+    unguard(weakref.WeakSet([state]))
+    assert len(_optimizer._global_optimizer_pre_hooks) == hooks
+    opt.step()  # no longer looked at
 
 
 async def _commits_mid_step(s: DistSession) -> str:
