@@ -44,6 +44,7 @@ from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops, _wakeup
@@ -218,6 +219,49 @@ def _check_optimizer(
 # (Keyed by identity: a tensor's == is elementwise.)
 _LIVE_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LIVE_OPTIMIZERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+# Every live sync; while there is one, torch's global optimizer step pre-hook
+# refuses a step over the parameters of a sync whose step is in flight (a
+# forgotten `await sync`: the update would use gradients not yet averaged,
+# being written as the buckets land). The hook comes off once no sync is
+# left, at the last one's remove() or at a session's end.
+_SYNCS: weakref.WeakSet[GradientSync] = weakref.WeakSet()
+_step_hook: Any = None
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not any(sync.pending for sync in _SYNCS) or optimizer in _STEPPING:
+        return  # the usual case, a few hundred ns
+    if _live(_LIVE_OPTIMIZERS, optimizer) is not None:
+        return  # a sync's own optimizer (optimizer=): its guard speaks
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            sync = _live(_LIVE_PARAMS, param)
+            if sync is not None and sync.pending:
+                raise AsyncDistError(
+                    f"{type(optimizer).__name__}.step() on rank {sync._carrier.rank} came "
+                    f"before the {sync._name} finished its step: the gradients are not "
+                    f"averaged yet (they are written as the buckets land). Call `await "
+                    f"sync` (or `sync.wait()`) after backward, before the optimizer "
+                    f"steps. Nothing of this step ran"
+                )
+
+
+def _watch_steps(sync: GradientSync) -> None:
+    global _step_hook
+    _SYNCS.add(sync)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_check_step)
+
+
+def _unwatch_steps(sync: GradientSync | None) -> None:
+    global _step_hook
+    if sync is not None:
+        _SYNCS.discard(sync)
+    if not _SYNCS and _step_hook is not None:
+        _step_hook.remove()
+        _step_hook = None
 
 
 def _live(table: WeakIdKeyDictionary, key: object) -> GradientSync | None:
@@ -484,8 +528,9 @@ class GradientSync:
     [AsyncDistError][asyncdist.AsyncDistError] on the rank that broke it,
     before anything is launched):
 
-    * a step must be finished (``await sync`` / ``sync.wait()``) before the
-      next backward reaches the sync; to accumulate gradients over several
+    * a step must be finished (``await sync`` / ``sync.wait()``) before an
+      optimizer steps its parameters, and before the next backward reaches
+      the sync; to accumulate gradients over several
       backwards, run all but the last inside ``with sync.no_sync():``
       (awaiting a finished step again, with no backward since, changes
       nothing; a rank with no backward in a step still awaits, after
@@ -545,6 +590,7 @@ class GradientSync:
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._guard))
             _LIVE_OPTIMIZERS[optimizer] = self
+        _watch_steps(self)
 
     def _start(self) -> None:
         """Fresh buckets over the carrier as it is now, and no step begun:
@@ -1019,6 +1065,7 @@ class GradientSync:
         optimizer = self._options.optimizer
         if optimizer is not None and _live(_LIVE_OPTIMIZERS, optimizer) is self:
             del _LIVE_OPTIMIZERS[optimizer]
+        _unwatch_steps(self)
 
     def __enter__(self) -> GradientSync:
         return self
@@ -1071,3 +1118,4 @@ def detach(syncs: weakref.WeakSet[GradientSync], *, rank: int, warn: bool) -> No
             )
         sync.remove()
     syncs.clear()
+    _unwatch_steps(None)  # also if a sync was dropped without remove()

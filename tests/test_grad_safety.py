@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+import torch.optim.optimizer as _optimizer
 
 from asyncdist import AsyncDistError, DistSession, SessionClosed, spawn
 
@@ -144,6 +145,54 @@ def test_a_forgotten_await_raises_at_the_next_backward(world: int, how: str, bac
         assert r["step0_is_the_average"], rank
         assert r["replicas_agree"], rank
         assert r["accumulated_agree"], rank
+
+
+async def _stepped_before_the_await(s: DistSession, how: str) -> dict[str, Any]:
+    """``opt.step()`` right after backward, the `await sync` forgotten."""
+    torch.manual_seed(0)
+    model, probe = BNNet(), torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1, momentum=0.9)
+    sync = s.gradient_sync(model)
+    out: dict[str, Any] = {}
+    _loss(model, s.rank, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except AsyncDistError as exc:
+        out["error"] = str(exc)
+    out["nothing_ran"] = (
+        all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        and not opt.state
+    )
+    probe(torch.ones(1, 2)).sum().backward()
+    probe_opt.step()  # not the sync's parameters: it steps while the sync's step is in flight
+    out["probe_stepped"] = bool(probe_opt.state)  # momentum buffers: it stepped
+    await _wait(sync, how)  # the step goes on as if nothing happened
+    opt.step()
+    for step in range(1, 3):
+        opt.zero_grad()
+        _loss(model, s.rank, step).backward()
+        await _wait(sync, how)
+        opt.step()
+    out["replicas_agree"] = _same_everywhere(s, list(model.parameters()))
+    hooks = len(_optimizer._global_optimizer_pre_hooks)
+    sync.remove()
+    out["hook_off"] = len(_optimizer._global_optimizer_pre_hooks) == hooks - 1
+    return out
+
+
+@pytest.mark.parametrize(("how", "backend"), [("sync", "asyncio"), ("await", "trio")])
+def test_an_optimizer_step_before_the_await_is_refused_and_nothing_runs(
+    how: str, backend: str
+) -> None:
+    for rank, r in enumerate(_spawn(_stepped_before_the_await, 2, how, backend)):
+        assert f"SGD.step() on rank {rank} came before the gradient_sync" in r.get("error", "")
+        assert "Nothing of this step ran" in r["error"]
+        assert r["nothing_ran"], r
+        assert r["probe_stepped"], r
+        assert r["replicas_agree"], r
+        assert r["hook_off"], r
 
 
 def _manual_steps(s: DistSession) -> dict[str, str]:
