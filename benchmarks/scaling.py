@@ -3,7 +3,7 @@
 Local gloo ranks on loopback, at each world size (2, 4, 8 by default). The
 ranks share the machine's cores, so absolute times are not comparable across
 world sizes: every figure that is judged is a ratio to raw torch measured
-side by side in the same processes, in alternating order (medians).
+side by side in the same processes, in alternating or rotating order (medians).
 
 * entry: from entering ``DistSession()`` to its first barrier done, against
   raw ``init_process_group(store=...)`` plus a first ``barrier`` on a store
@@ -17,7 +17,11 @@ side by side in the same processes, in alternating order (medians).
   ``s.allreduce(t)`` then ``wait_all(hs).wait()``, raw
   ``dist.all_reduce(t, async_op=True)`` then each ``work.wait()``. Issue alone
   and issue + wait, per op; ``reps * 1000 / N`` bursts per arm (at least 1).
-  The largest burst runs again with the cyclic GC off in both arms (not
+  Beside them, not judged: the issuing thread's CPU time per op
+  (``time.thread_time``: the gloo threads' turns on the cores do not count),
+  and a third arm, the floor of any Python layer over torch: a type check
+  and one object holding the work and the tensor per op.
+  The largest burst runs again with the cyclic GC off in every arm (not
   judged): a pending handle keeps two GC-tracked objects (its op and
   itself), a raw work none, and each collection walks them.
 * wait_all: ``wait_all(hs).wait()`` and ``await wait_all(hs)`` (asyncio) over
@@ -123,10 +127,25 @@ def _memory_now() -> tuple[int, int]:
     return heap, int(psutil.Process().memory_info().rss)
 
 
+# the burst's arms: raw torch, the thinnest layer a Python library can be
+# (a type check and one object per op), asyncdist
+ARMS = ("raw", "floor", "ad")
+
+
+class _Thinnest:
+    """The floor arm's record of an op: its work and tensor, one GC-tracked
+    object (asyncdist keeps two: the op record and its handle)."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, work: Any, tensor: Any) -> None:
+        self.work, self.tensor = work, tensor
+
+
 def _bursts(
     session: Any, bursts: list[int], reps: int, keep: int, *, collect: bool = True
 ) -> tuple[dict[str, Any], tuple[list[Any], list[Any]] | None]:
-    """Per burst size: per-op issue and issue+wait times, both arms, alternating;
+    """Per burst size: per-op issue and issue+wait times, each arm, rotating;
     and the last burst of ``keep`` ops, done (handles, raw works), if any.
     ``collect=False``: the cyclic GC is off during each burst (both arms)."""
     import torch
@@ -134,36 +153,49 @@ def _bursts(
 
     from asyncdist import wait_all
 
-    group, clock = session.group, time.perf_counter
+    group, clock, cpu = session.group, time.perf_counter, time.thread_time
+
+    def thinnest(tensor: Any) -> _Thinnest:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError("a tensor")
+        return _Thinnest(dist.all_reduce(tensor, group=group, async_op=True), tensor)
+
     out: dict[str, Any] = {}
     kept = None
     for n in bursts:
         times: dict[str, list[float]] = {
-            key: [] for key in ("raw_issue", "raw_all", "ad_issue", "ad_all")
+            f"{arm}_{what}": [] for arm in ARMS for what in ("issue", "all", "cpu")
         }
         count = max(1, reps * 1000 // n)  # short bursts: more of them
         first = 0 if n == bursts[0] else 1  # round 0 (the first size only) warms up
         for r in range(first, count + 1):
-            for arm in ("raw", "ad") if r % 2 else ("ad", "raw"):
+            for arm in ARMS[r % 3 :] + ARMS[: r % 3]:  # each arm takes each place
                 tensors = [torch.ones(1) for _ in range(n)]
                 session.barrier().wait()
                 if not collect:
                     gc.disable()
-                t0 = clock()
+                t0, c0 = clock(), cpu()
                 if arm == "raw":
                     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-                    t1 = clock()
+                    t1, c1 = clock(), cpu()
                     for work in works:
                         work.wait()
+                elif arm == "floor":
+                    floors = [thinnest(t) for t in tensors]
+                    t1, c1 = clock(), cpu()
+                    for record in floors:
+                        record.work.wait()
                 else:
                     handles = [session.allreduce(t) for t in tensors]
-                    t1 = clock()
+                    t1, c1 = clock(), cpu()
                     wait_all(handles).wait()
                 t2 = clock()
                 gc.enable()
                 if r:
                     times[f"{arm}_issue"].append((t1 - t0) / n)
                     times[f"{arm}_all"].append((t2 - t0) / n)
+                    times[f"{arm}_cpu"].append((c1 - c0) / n)
+                floors = []
         if n == keep:
             kept = handles, works
         works = handles = []
@@ -402,10 +434,16 @@ def summarize(
             b = {key: med(values) for key, values in t.items()}
             b["issue_ratio"] = b["ad_issue"] / b["raw_issue"]
             b["all_ratio"] = b["ad_all"] / b["raw_all"]
+            if "floor_issue" in b:  # the floor arm and CPU times (runs from 6 December on)
+                b["floor_issue_ratio"] = b["floor_issue"] / b["raw_issue"]
+                b["cpu_ratio"] = b["ad_cpu"] / b["raw_cpu"]
+                b["floor_cpu_ratio"] = b["floor_cpu"] / b["raw_cpu"]
             burst[n] = b
-        no_gc = {}
+        no_gc, no_gc_cpu = {}, {}
         for n, t in ranks[0].get("burst_no_gc", {}).items():
             no_gc[n] = med(t["ad_issue"]) / med(t["raw_issue"])
+            if "ad_cpu" in t:
+                no_gc_cpu[n] = med(t["ad_cpu"]) / med(t["raw_cpu"])
         waits = ranks[0]["wait_all"]
         memory = {
             n: {arm: med(values) for arm, values in grown.items()}
@@ -415,6 +453,7 @@ def summarize(
             "entry_s": e,
             "burst": burst,
             "issue_ratio_no_gc": no_gc,
+            "issue_cpu_ratio_no_gc": no_gc_cpu,
             "wait_all_s_per_handle": None
             if waits is None
             else {key: med(values) for key, values in waits.items()},
@@ -453,9 +492,19 @@ def summarize(
             met = all(v is not None and v <= BURST_GOAL for v in values)
             goals[f"burst_{n}_{what}"] = met
             row(f"{label}: {what} ×", values, ".2f", f"<= {BURST_GOAL}", met)
+        for key, what in (
+            ("floor_issue_ratio", "floor issue ×"),
+            ("cpu_ratio", "issue CPU ×"),
+            ("floor_cpu_ratio", "floor issue CPU ×"),
+        ):
+            if any(x is not None and key in x for x in b):
+                row(f"{label}: {what}", [None if x is None else x.get(key) for x in b], ".2f")
         if any(n in per[ws]["issue_ratio_no_gc"] for ws in sizes):
             values = [per[ws]["issue_ratio_no_gc"].get(n) for ws in sizes]
             row(f"{label}: issue × GC off", values, ".2f")
+        if any(n in per[ws]["issue_cpu_ratio_no_gc"] for ws in sizes):
+            values = [per[ws]["issue_cpu_ratio_no_gc"].get(n) for ws in sizes]
+            row(f"{label}: issue CPU × GC off", values, ".2f")
     waits = [per[ws]["wait_all_s_per_handle"] for ws in sizes]
     if all(w is not None for w in waits):
         for key, label in (
