@@ -384,3 +384,27 @@ def test_quick_run_does_not_judge_the_goals(benchmarks: ModuleType) -> None:
         if name in goals:
             assert "--smoke" in quick, name
         assert "--smoke" not in full, name
+
+
+def test_backward_cpu_probe_summary(benchmarks: ModuleType) -> None:
+    """benchmarks/backward_cpu.py (a probe outside the suite): its rows are
+    the worse rank's, its parts add up to the hooks' whole, and its table
+    fits 80 columns."""
+    import backward_cpu  # on the path run_all set up
+
+    def rank(scale: float) -> dict[str, Any]:
+        arms = {"none": 5.0, "ddp": 6.0, "sync": 7.5}
+        return {
+            "arms": {a: {"fwd": 3.0 * scale, "bwd": b * scale} for a, b in arms.items()},
+            "parts_ms": {"hooks": 2.0, "copies": 1.0, "launches": 0.5, "start": 0.2},
+        }
+
+    title, columns, rows, payload = backward_cpu.summarize([rank(1.0), rank(1.1)])
+    by_arm = {row[0]: row for row in rows}
+    assert by_arm["gradient_sync"][2] == "8.25"  # 7.5 * 1.1: the slower rank
+    assert by_arm["gradient_sync"][3] == "+2.75"  # over autograd alone, 5.5
+    assert by_arm["gradient_sync"][4] == "1.25"  # 8.25 / 6.6
+    assert payload["hooks_rest_ms"] == pytest.approx(0.3)
+    text = _render(benchmarks._common.table(title, columns, rows), 80)
+    assert "…" not in text
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
