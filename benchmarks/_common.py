@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,25 @@ RESULTS = Path(os.environ.get("ASYNCDIST_BENCH_OUT", Path(__file__).parent / "re
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def timed_calls(
+    parts: dict[str, float],
+    name: str,
+    fn: Callable[..., Any],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Callable[..., Any]:
+    """``fn``, wrapped to add each call's time by ``clock`` to ``parts[name]``
+    (from 0; clear or reset ``parts`` to start a new tally)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            parts[name] = parts.get(name, 0.0) + clock() - t0
+
+    return wrapper
 
 
 def human_bytes(n: float) -> str:

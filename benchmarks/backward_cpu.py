@@ -27,7 +27,6 @@ import copy
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,7 @@ def _rank(s: Any, steps: int, batch: int) -> dict[str, Any]:
             list(models[arm].parameters())[-1].register_post_accumulate_grad_hook(queue_mark)
         samples: dict[str, dict[str, list[float]]] = {a: {"fwd": [], "bwd": []} for a in ARMS}
         for r in range(steps + WARMUP):
-            if parts is not None and r == WARMUP:
+            if parts is not None and r == WARMUP:  # the warm-up's tally is dropped
                 parts.update(dict.fromkeys(PARTS, 0.0))
             for arm in ARMS[r % 3 :] + ARMS[: r % 3]:
                 c0 = time.thread_time()
@@ -97,17 +96,6 @@ def _rank(s: Any, steps: int, batch: int) -> dict[str, Any]:
     result: dict[str, Any] = {"arms": timed(None)}
     parts: dict[str, float] = {}
 
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if parts:
-                    parts[name] += time.thread_time() - t0
-
-        return wrapped
-
     patched = [
         (grad_module.GradientSync, "_on_grad", "hooks"),
         (grad_module._Bucket, "fill", "copies"),
@@ -116,7 +104,7 @@ def _rank(s: Any, steps: int, batch: int) -> dict[str, Any]:
     ]
     originals = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in patched]
     for cls, attr, name in patched:
-        setattr(cls, attr, wrap(name, getattr(cls, attr)))
+        setattr(cls, attr, _common.timed_calls(parts, name, getattr(cls, attr), time.thread_time))
     try:
         timed(parts)
     finally:

@@ -53,7 +53,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -303,19 +303,9 @@ def _entry(rank: int, world_size: int, store: Any, rounds: int) -> dict[str, lis
 
     parts: dict[str, float] = {}
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
-
-        return wrapper
-
     # the session's parts, timed where it calls them (this process only)
-    _groups.form_world = timed("init", _groups.form_world)  # type: ignore[method-assign]
-    _lane.Lane.root = timed("root", _lane.Lane.root)  # type: ignore[method-assign]
+    _groups.form_world = _common.timed_calls(parts, "init", _groups.form_world)  # type: ignore[method-assign]
+    _lane.Lane.root = _common.timed_calls(parts, "root", _lane.Lane.root)  # type: ignore[method-assign]
     keys = ("raw", "session", "init", "rest", "root", "barrier", "first_object", "object")
     times: dict[str, list[float]] = {key: [] for key in keys}
     clock = time.perf_counter
