@@ -275,7 +275,7 @@ def _synthetic_tables(benchmarks: ModuleType, smoke: bool) -> dict[str, Any]:
 
     entry = {"raw": [0.0412], "session": [0.1234], "init": [0.0407], "rest": [0.0429]}
     entry |= {"first_object": [0.0398], "object": [0.0031]}
-    entry |= {"root": [0.0021], "barrier": [0.0134]}
+    entry |= {"root": [0.0021], "barrier": [0.0134], "side": [0.0105], "raw_init": [0.0311]}
     burst = {
         str(n): {"raw_issue": [1.2e-5], "raw_all": [1.2345e-3], "ad_issue": [9.9e-5]}
         | {"ad_all": [2.468e-3]}
@@ -408,3 +408,32 @@ def test_backward_cpu_probe_summary(benchmarks: ModuleType) -> None:
     text = _render(benchmarks._common.table(title, columns, rows), 80)
     assert "…" not in text
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+
+
+def test_scaling_entry_parts(benchmarks: ModuleType) -> None:
+    """benchmarks/scaling.py's entry rows: raw's figures come from the rank
+    slowest in the raw arm, the session's parts from the rank slowest in the
+    session arm, and the margin row is what 1.2x raw leaves a session."""
+    scaling = benchmarks.scaling
+
+    def rank(raw: float, session: float) -> dict[str, Any]:
+        entry = {"raw": [raw], "raw_init": [raw * 0.75], "session": [session]}
+        entry |= {"init": [session * 0.4], "rest": [session * 0.6], "root": [session * 0.1]}
+        entry |= {"side": [session * 0.2], "barrier": [session * 0.15]}
+        entry |= {"first_object": [0.001], "object": [0.0005]}
+        burst = {"100": {"raw_issue": [1e-5], "raw_all": [1e-3], "ad_issue": [1.1e-5]}}
+        burst["100"] |= {"ad_all": [1e-3]}
+        memory = {"1000": {"raw": [2000.0], "ad": [2000.0]}}
+        return {"entry": entry, "burst": burst, "wait_all": None, "memory": memory}
+
+    # rank 0 is the raw arm's slowest, rank 1 the session's
+    _, _, rows, payload = scaling.summarize({2: [rank(0.002, 0.003), rank(0.001, 0.004)]})
+    by_label = {row[0].strip(): row[1] for row in rows}
+    assert by_label["entry ms: raw init+barrier"] == "2.0"
+    assert by_label["raw: its init ms"] == "1.5"
+    assert by_label["entry ms: DistSession"] == "4.0"
+    assert by_label["of it: side group ms"] == "0.8"
+    assert by_label["of it: root lane ms"] == "0.4"
+    assert by_label["of it: barrier ms"] == "0.6"
+    assert by_label["1.2× leaves a session ms"] == "0.4"
+    assert payload["world_sizes"]["2"]["entry_s"]["ratio"] == pytest.approx(2.0)
