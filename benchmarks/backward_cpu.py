@@ -12,7 +12,10 @@ the steps, the worse of the two ranks. A second pass, after the timed one,
 wraps gradient_sync's parts (the copies into buckets, the launches, the
 step's start, the hook calls as a whole) to time each; the wrapping adds
 about a microsecond per wrapped call, so the parts sum to a little more than
-the first pass's excess.
+the first pass's excess. A third pass launches each bucket with torch's own
+``all_reduce(async_op=True)`` in place of the session's ``allreduce`` and
+times those calls the same way: the launches' row less this one is what the
+session's issue path (checks, handle, bookkeeping) costs inside a backward.
 
 This is the probe behind the backward-phase rows of docs/benchmarks.md; it
 is not part of ``asyncdist bench`` (``benchmarks/ddp.py`` judges the goal).
@@ -37,6 +40,17 @@ import _common
 ARMS = ("none", "ddp", "sync")
 WARMUP = 10
 PARTS = ("hooks", "copies", "launches", "start")
+
+
+class _RawLaunch:
+    """A bucket launched with torch's own call: what ``GradientSync`` waits on."""
+
+    def __init__(self, work: Any, tensor: Any) -> None:
+        self._work, self._tensor = work, tensor
+
+    def wait(self) -> Any:
+        self._work.wait()
+        return self._tensor
 
 
 def _rank(s: Any, steps: int, batch: int) -> dict[str, Any]:
@@ -111,6 +125,24 @@ def _rank(s: Any, steps: int, batch: int) -> dict[str, Any]:
         for cls, attr, fn in originals:
             setattr(cls, attr, fn)
     result["parts_ms"] = {name: parts[name] * 1e3 / steps for name in PARTS}
+
+    # the same launches as torch's own calls (a mean's gradients are scaled
+    # as they are copied in, so the bucket is summed: torch's default op)
+    import torch.distributed as dist
+
+    def raw_launch(sync: Any, bucket: Any) -> _RawLaunch:
+        return _RawLaunch(dist.all_reduce(bucket.buffer, async_op=True), bucket.buffer)
+
+    launch = grad_module.GradientSync._launch
+    raw: dict[str, float] = {}
+    grad_module.GradientSync._launch = _common.timed_calls(  # type: ignore[method-assign]
+        raw, "launches", raw_launch, time.thread_time
+    )
+    try:
+        timed(raw)  # its warm-up's tally is dropped, as above
+    finally:
+        grad_module.GradientSync._launch = launch  # type: ignore[method-assign]
+    result["parts_ms"]["raw_launches"] = raw["launches"] * 1e3 / steps
     return result
 
 
@@ -143,6 +175,11 @@ def summarize(
     ):
         rows.append([name, "", f"{value:.2f}", "", ""])
     payload = {"ranks": ranks, "parts_ms": parts, "hooks_rest_ms": hooks_rest}
+    if all("raw_launches" in r["parts_ms"] for r in ranks):
+        raw = worst_part("raw_launches")
+        rows.append(["launches, torch's own call", "", f"{raw:.2f}", "", ""])
+        payload["raw_launches_ms"] = raw
+        payload["issue_path_ms"] = parts["launches"] - raw
     title = "backward CPU, main thread (deep MLP, 2 gloo ranks), ms"
     return title, ["arm", "fwd", "bwd", "bwd +", "÷ DDP"], rows, payload
 

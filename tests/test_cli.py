@@ -396,7 +396,8 @@ def test_backward_cpu_probe_summary(benchmarks: ModuleType) -> None:
         arms = {"none": 5.0, "ddp": 6.0, "sync": 7.5}
         return {
             "arms": {a: {"fwd": 3.0 * scale, "bwd": b * scale} for a, b in arms.items()},
-            "parts_ms": {"hooks": 2.0, "copies": 1.0, "launches": 0.5, "start": 0.2},
+            "parts_ms": {"hooks": 2.0, "copies": 1.0, "launches": 0.5, "start": 0.2}
+            | {"raw_launches": 0.3 * scale},
         }
 
     title, columns, rows, payload = backward_cpu.summarize([rank(1.0), rank(1.1)])
@@ -405,6 +406,8 @@ def test_backward_cpu_probe_summary(benchmarks: ModuleType) -> None:
     assert by_arm["gradient_sync"][3] == "+2.75"  # over autograd alone, 5.5
     assert by_arm["gradient_sync"][4] == "1.25"  # 8.25 / 6.6
     assert payload["hooks_rest_ms"] == pytest.approx(0.3)
+    assert by_arm["launches, torch's own call"][2] == "0.33"  # the slower rank's
+    assert payload["issue_path_ms"] == pytest.approx(0.5 - 0.33)
     text = _render(benchmarks._common.table(title, columns, rows), 80)
     assert "…" not in text
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
