@@ -314,3 +314,22 @@ def test_a_small_model_is_split_so_little_is_left_after_backward() -> None:
     layer = 128 * 128 * 4 + 128 * 4
     with DistSession() as s, s.gradient_sync(model) as sync:
         assert sync.bucket_sizes == [layer, 2 * layer, layer]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_the_mean_factor_scales_as_a_float_would(dtype: torch.dtype, world: int) -> None:
+    """A bucket scales each gradient by 1/world with a 0-dim tensor (the
+    cheaper call): the result is, to the bit, what multiplying by the float
+    gives, copied in or accumulated in place in its slot."""
+    from asyncdist._grad import _Bucket
+
+    g = torch.Generator().manual_seed(world)
+    params = [torch.nn.Parameter(torch.randn(257, generator=g).to(dtype)) for _ in range(2)]
+    bucket = _Bucket(params, torch.device("cpu"), None, world)
+    grad = torch.randn(257, generator=g).to(dtype) * 1000
+    bucket.fill(0, grad)  # copied in
+    assert torch.equal(bucket.slots[0], torch.mul(grad, 1.0 / world))
+    bucket.slots[1].copy_(grad)
+    bucket.fill(1, bucket.slots[1])  # accumulated in place in its slot
+    assert torch.equal(bucket.slots[1], grad.mul(1.0 / world))

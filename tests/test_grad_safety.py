@@ -569,6 +569,78 @@ def test_buffers_are_rank_0s_after_every_step(world: int, how: str, backend: str
         assert r["tracked"] == 5
 
 
+class _Tally(torch.nn.Module):
+    """A module with a buffer and no parameters: set or dropped at will."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.full((3,), value))
+
+
+def _buffers_as_the_tree_changes(s: DistSession, how: str) -> dict[str, Any]:
+    """After the sync is made, the module's tree changes in each way torch
+    offers; each step's broadcast carries the buffers the module holds then,
+    the same list on every rank, and none of a module it no longer holds."""
+    torch.manual_seed(0)
+    model = BNNet()
+    model.extras = torch.nn.ModuleList()  # no buffers yet
+    sync = s.gradient_sync(model)
+    r = float(s.rank)
+    dropped = _Tally(10 + r)
+
+    def step(n: int) -> bool:
+        model.zero_grad(set_to_none=True)
+        _loss(model, s.rank, n).backward()
+        sync.wait()
+        return _same_everywhere(s, list(model.buffers()))
+
+    def delete() -> None:
+        del model.extras[-1]  # del: no hook
+        dropped.count.fill_(30 + r)  # each rank's own from now on
+        if s.rank == 0:  # only rank 0 forms another module: its count moves, not rank 1's
+            torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    changes = {
+        "baseline": lambda: None,
+        # set as an attribute: torch's module registration hook
+        "attribute": lambda: setattr(model, "tally", _Tally(r)),
+        # ModuleList.insert writes the module dict directly
+        "insert": lambda: model.extras.insert(0, _Tally(20 + r)),
+        # a buffer registered on a module already in the tree
+        "register_buffer": lambda: model.a.register_buffer("seen", torch.full((2,), r)),
+        # a buffer's tensor replaced
+        "reassigned": lambda: setattr(model.bn, "running_mean", torch.full((8,), r)),
+        # a child replaced by another: the same number of children (the hook)
+        "replaced": lambda: model.extras.__setitem__(0, _Tally(40 + r)),
+        "appended": lambda: model.extras.append(dropped),
+        "deleted": delete,
+        "deleted attribute": lambda: delattr(model, "tally"),
+    }
+    agreed = {}
+    for n, (name, change) in enumerate(changes.items()):
+        change()
+        agreed[name] = step(n)
+    sync.remove()
+    return {
+        "agreed": agreed,
+        "buffers": [tuple(b.shape) for b in model.buffers()],
+        "dropped": dropped.count.tolist(),  # out of the tree: its own values stay
+        "replacement": model.extras[0].count.tolist(),
+        "seen": model.a.seen.tolist(),
+    }
+
+
+def test_buffers_follow_the_module_as_its_tree_changes() -> None:
+    results = spawn(_buffers_as_the_tree_changes, 2, args=("sync",), timeout=60)
+    for rank, r in enumerate(results):
+        assert all(r["agreed"].values()), r["agreed"]
+        assert r["replacement"] == [40.0] * 3  # rank 0's, on every rank
+        assert r["seen"] == [0.0] * 2
+        # dropped from the tree: no longer broadcast, each rank keeps its own
+        assert r["dropped"] == [30.0 + rank] * 3
+    assert results[0]["buffers"] == results[1]["buffers"]
+
+
 def test_broadcast_buffers_false_keeps_each_ranks_own() -> None:
     results = spawn(_buffers, 2, args=("sync", False), timeout=60, channels=["gradients"])
     for r in results:
