@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+import torch.nn.modules.module as _module
 import torch.optim.optimizer as _optimizer
 
 from asyncdist import AsyncDistError, DistSession, SessionClosed, spawn
@@ -620,8 +621,10 @@ def _buffers_as_the_tree_changes(s: DistSession, how: str) -> dict[str, Any]:
     for n, (name, change) in enumerate(changes.items()):
         change()
         agreed[name] = step(n)
-    sync.remove()
+    registration_hooks = len(_module._global_module_registration_hooks)
+    sync.remove()  # the last live sync: torch's global hook comes off with it
     return {
+        "hook_off": len(_module._global_module_registration_hooks) == registration_hooks - 1,
         "agreed": agreed,
         "buffers": [tuple(b.shape) for b in model.buffers()],
         "dropped": dropped.count.tolist(),  # out of the tree: its own values stay
@@ -636,6 +639,7 @@ def test_buffers_follow_the_module_as_its_tree_changes() -> None:
         assert all(r["agreed"].values()), r["agreed"]
         assert r["replacement"] == [40.0] * 3  # rank 0's, on every rank
         assert r["seen"] == [0.0] * 2
+        assert r["hook_off"]
         # dropped from the tree: no longer broadcast, each rank keeps its own
         assert r["dropped"] == [30.0 + rank] * 3
     assert results[0]["buffers"] == results[1]["buffers"]
