@@ -44,7 +44,10 @@ from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.nn.modules.module import register_module_module_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -230,11 +233,12 @@ _LIVE_OPTIMIZERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SYNCS: weakref.WeakSet[GradientSync] = weakref.WeakSet()
 _step_hook: Any = None
 
-# How many times a submodule was set or registered anywhere in the process
-# while a sync was live (torch's global module registration hook, on and off
-# with _step_hook): a sync's _Buffers walks its module again when it moved.
+# How many times a submodule or a buffer was set or registered anywhere in
+# the process while a sync was live (torch's global registration hooks, on
+# and off with _step_hook): a sync's _Buffers walks its module again when it
+# moved.
 _structure = [0]
-_structure_hook: Any = None
+_structure_hooks: list[Any] = []
 
 
 def _structure_changed(module: torch.nn.Module, name: str, value: object) -> None:
@@ -260,24 +264,24 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 
 def _watch_steps(sync: GradientSync) -> None:
-    global _step_hook, _structure_hook
+    global _step_hook
     _SYNCS.add(sync)
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_check_step)
-    if _structure_hook is None:
-        _structure_hook = register_module_module_registration_hook(_structure_changed)
+    if not _structure_hooks:
+        _structure_hooks.append(register_module_module_registration_hook(_structure_changed))
+        _structure_hooks.append(register_module_buffer_registration_hook(_structure_changed))
 
 
 def _unwatch_steps(sync: GradientSync | None) -> None:
-    global _step_hook, _structure_hook
+    global _step_hook
     if sync is not None:
         _SYNCS.discard(sync)
     if not _SYNCS and _step_hook is not None:
         _step_hook.remove()
         _step_hook = None
-    if not _SYNCS and _structure_hook is not None:
-        _structure_hook.remove()
-        _structure_hook = None
+    while not _SYNCS and _structure_hooks:
+        _structure_hooks.pop().remove()
 
 
 def _live(table: WeakIdKeyDictionary, key: object) -> GradientSync | None:
@@ -478,13 +482,16 @@ class _Buffers:
     What is kept is the tree's modules, each with its number of children when
     the list was made. Each step reads the buffers from those modules, so a
     buffer registered, assigned or converted (``.to()``) since is seen. The
-    list is made again when a submodule was set or registered anywhere in the
-    process since (``_structure``, from torch's global hook), or when a kept
-    module's number of children changed (``del``, and ``ModuleList.insert``,
-    which writes the dict directly). The one change it does not see is a
-    write to ``module._modules[name]`` over an existing child, behind torch's
-    back. Every rank must list the same buffers (their broadcast pairs them),
-    and so it lists what a walk would, never an older tree.
+    list is made again when a submodule or a buffer was set or registered
+    anywhere in the process since (``_structure``, from torch's global
+    hooks), or when a kept module's number of children changed (``del``, and
+    ``ModuleList.insert``, which writes the dict directly). A module swapped
+    in by writing ``module._modules[name]`` over an existing child (torch's
+    quantization ``convert`` does) is seen too, because making it registered
+    its buffers or children; the one change missed is such a write of a
+    module made before the sync was. Every rank must list the same buffers
+    (their broadcast pairs them), and so it lists what a walk would, never
+    an older tree.
     """
 
     __slots__ = ("_made_at", "_module", "_modules")

@@ -585,8 +585,9 @@ def _buffers_as_the_tree_changes(s: DistSession, how: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = BNNet()
     model.extras = torch.nn.ModuleList()  # no buffers yet
-    sync = s.gradient_sync(model)
     r = float(s.rank)
+    prebuilt = _Tally(40 + r)  # made before the sync: no hook saw its buffer
+    sync = s.gradient_sync(model)
     dropped = _Tally(10 + r)
 
     def step(n: int) -> bool:
@@ -611,8 +612,12 @@ def _buffers_as_the_tree_changes(s: DistSession, how: str) -> dict[str, Any]:
         "register_buffer": lambda: model.a.register_buffer("seen", torch.full((2,), r)),
         # a buffer's tensor replaced
         "reassigned": lambda: setattr(model.bn, "running_mean", torch.full((8,), r)),
-        # a child replaced by another: the same number of children (the hook)
-        "replaced": lambda: model.extras.__setitem__(0, _Tally(40 + r)),
+        # a child replaced by another: the same number of children (the
+        # module registration hook)
+        "replaced": lambda: model.extras.__setitem__(0, prebuilt),
+        # one written over it behind torch's back, as quantization's convert
+        # does: making it registered its buffer (the buffer hook)
+        "swapped": lambda: model.extras._modules.__setitem__("0", _Tally(50 + r)),
         "appended": lambda: model.extras.append(dropped),
         "deleted": delete,
         "deleted attribute": lambda: delattr(model, "tally"),
@@ -621,10 +626,11 @@ def _buffers_as_the_tree_changes(s: DistSession, how: str) -> dict[str, Any]:
     for n, (name, change) in enumerate(changes.items()):
         change()
         agreed[name] = step(n)
-    registration_hooks = len(_module._global_module_registration_hooks)
-    sync.remove()  # the last live sync: torch's global hook comes off with it
+    hooks = (_module._global_module_registration_hooks, _module._global_buffer_registration_hooks)
+    before = [len(h) for h in hooks]
+    sync.remove()  # the last live sync: torch's global hooks come off with it
     return {
-        "hook_off": len(_module._global_module_registration_hooks) == registration_hooks - 1,
+        "hooks_off": [len(h) for h in hooks] == [n - 1 for n in before],
         "agreed": agreed,
         "buffers": [tuple(b.shape) for b in model.buffers()],
         "dropped": dropped.count.tolist(),  # out of the tree: its own values stay
@@ -637,9 +643,9 @@ def test_buffers_follow_the_module_as_its_tree_changes() -> None:
     results = spawn(_buffers_as_the_tree_changes, 2, args=("sync",), timeout=60)
     for rank, r in enumerate(results):
         assert all(r["agreed"].values()), r["agreed"]
-        assert r["replacement"] == [40.0] * 3  # rank 0's, on every rank
+        assert r["replacement"] == [50.0] * 3  # rank 0's, on every rank
         assert r["seen"] == [0.0] * 2
-        assert r["hook_off"]
+        assert r["hooks_off"]
         # dropped from the tree: no longer broadcast, each rank keeps its own
         assert r["dropped"] == [30.0 + rank] * 3
     assert results[0]["buffers"] == results[1]["buffers"]
