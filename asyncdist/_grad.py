@@ -263,7 +263,9 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
                 )
 
 
-def _watch_steps(sync: GradientSync) -> None:
+def _watch(sync: GradientSync) -> None:
+    """Count ``sync`` live; the first live sync puts torch's global hooks on
+    (the optimizer step check, the structure count)."""
     global _step_hook
     _SYNCS.add(sync)
     if _step_hook is None:
@@ -273,7 +275,9 @@ def _watch_steps(sync: GradientSync) -> None:
         _structure_hooks.append(register_module_buffer_registration_hook(_structure_changed))
 
 
-def _unwatch_steps(sync: GradientSync | None) -> None:
+def _unwatch(sync: GradientSync | None) -> None:
+    """Forget ``sync`` (``None``: only those already dropped); with no live
+    sync left, torch's global hooks come off."""
     global _step_hook
     if sync is not None:
         _SYNCS.discard(sync)
@@ -677,7 +681,7 @@ class GradientSync:
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._guard))
             _LIVE_OPTIMIZERS[optimizer] = self
-        _watch_steps(self)
+        _watch(self)
 
     def _start(self) -> None:
         """Fresh buckets over the carrier as it is now, and no step begun:
@@ -1152,7 +1156,7 @@ class GradientSync:
         optimizer = self._options.optimizer
         if optimizer is not None and _live(_LIVE_OPTIMIZERS, optimizer) is self:
             del _LIVE_OPTIMIZERS[optimizer]
-        _unwatch_steps(self)
+        _unwatch(self)
 
     def __enter__(self) -> GradientSync:
         return self
@@ -1205,4 +1209,4 @@ def detach(syncs: weakref.WeakSet[GradientSync], *, rank: int, warn: bool) -> No
             )
         sync.remove()
     syncs.clear()
-    _unwatch_steps(None)  # also if a sync was dropped without remove()
+    _unwatch(None)  # also if a sync was dropped without remove()
