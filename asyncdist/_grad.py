@@ -650,6 +650,12 @@ class GradientSync:
     def __init__(self, session: Carrier, module: torch.nn.Module, options: Options) -> None:
         self._carrier = session
         self._name = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
+        # The syncs one task (or thread) makes issue as one, from whatever
+        # thread runs their hooks: autograd orders their launches alike on
+        # every rank (a GAN's two models in one backward, or two backward
+        # calls before one await), as DDP's reducers share a process group.
+        # Syncs that two tasks make are two issuers (see ``_lane``).
+        self._issuer = _wakeup.helper_key()
         self._module = module
         self._module_buffers = _Buffers(module)
         self._options = options
@@ -874,8 +880,8 @@ class GradientSync:
                     if not self._ready[self._index[id(param)]]:
                         bucket.fill(slot, param.grad)  # accumulated under no_sync() only
             # hooks run on autograd's threads (CUDA) or the caller's: every
-            # launch of this object counts as its own, whichever thread runs it
-            with issuing_as(self, self._name):
+            # launch counts as this sync's issuer's, whichever thread runs it
+            with issuing_as(self._issuer, self._name):
                 bucket.handle = self._launch(bucket)
             self._next_launch += 1
 
@@ -1035,7 +1041,7 @@ class GradientSync:
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
         mine = -1 if self._fingerprint is None else self._fingerprint
-        with issuing_as(self, self._name):
+        with issuing_as(self._issuer, self._name):
             return self._carrier.broadcast_object((order, mine), src=0, allowed=[])
 
     def __repr__(self) -> str:
@@ -1114,7 +1120,7 @@ class GradientSync:
         waiting copies the received values back (on the waiting thread)."""
         groups = list(_ops.by_dtype(tensors).values())
         flats = [_ops.pack(group, self._carrier.device) for group in groups]
-        with issuing_as(self, self._name):
+        with issuing_as(self._issuer, self._name):
             parts = [self._carrier.broadcast(flat, src=src) for flat in flats]
 
         def copy_back(received: list[torch.Tensor]) -> None:

@@ -488,7 +488,12 @@ class DistSession(Collectives):
         (metrics, say) neither pair with a bucket nor queue behind one. Its
         first use forms it (every rank, same order): in async code declare it
         at entry with ``DistSession(channels=["gradients"])`` so nothing waits
-        on the loop.
+        on the loop. The syncs one task (or thread) makes share the channel
+        as one issuer, as two DDP modules share a process group: a
+        generator and its discriminator may launch in one backward. Syncs
+        that two concurrent tasks make are two issuers, refused on one
+        channel while the other's buckets are outstanding: give each task's
+        sync a channel of its own.
 
         ``optimizer``: step overlap. Awaiting the sync also runs this
         optimizer's update, one bucket's parameters at a time as each bucket

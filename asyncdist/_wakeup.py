@@ -131,23 +131,31 @@ def in_async_context() -> bool:
     return True
 
 
+IssuerKey = tuple[int, int]
+
 # Who issues, when a helper issues on someone's behalf from whatever thread
-# runs it (gradient hooks run on autograd's threads on CUDA): (id, name).
+# runs it (gradient hooks run on autograd's threads on CUDA): (key, name).
 # Module state because a ContextVar must be made once, not per use (each one
 # made lives on in every context); its value is per thread and task, not
 # process-wide.
-_ISSUING_AS: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
+_ISSUING_AS: contextvars.ContextVar[tuple[IssuerKey, str] | None] = contextvars.ContextVar(
     "asyncdist_issuing_as", default=None
 )
 
-IssuerKey = tuple[int, int]
+
+def helper_key() -> IssuerKey:
+    """An issuer of its own for the helpers the calling task (or thread)
+    makes, apart from the task itself: ``(-1, n)``, never a ``(thread,
+    task)`` key. Helpers made by one task share it."""
+    return (-1, hash(issuer_key()))
 
 
 @contextlib.contextmanager
-def issuing_as(owner: object, name: str) -> Iterator[None]:
-    """Collectives issued inside the block count as ``owner``'s, from any
-    thread or task (``name`` appears in messages)."""
-    token = _ISSUING_AS.set((id(owner), name))
+def issuing_as(key: IssuerKey, name: str) -> Iterator[None]:
+    """Collectives issued inside the block count as issued by ``key`` (a
+    ``helper_key``, or a helper's fixed key whose first item is below 0),
+    from any thread or task (``name`` appears in messages)."""
+    token = _ISSUING_AS.set((key, name))
     try:
         yield
     finally:
@@ -156,10 +164,10 @@ def issuing_as(owner: object, name: str) -> Iterator[None]:
 
 def issuer_key() -> IssuerKey:
     """Who is issuing, cheaply: ``(thread, task)`` ids (task 0 outside any
-    task), or ``(-1, owner)`` inside ``issuing_as``."""
+    task), or the key ``issuing_as`` gave."""
     override = _ISSUING_AS.get()
     if override is not None:
-        return (-1, override[0])
+        return override[0]
     thread = threading.get_ident()
     # Asked on every launch, so not through ``sniffio.current_async_library``,
     # which in plain code raises twice to say "none" (about 1 µs): trio marks

@@ -788,3 +788,104 @@ async def test_on_trio_await_sync_with_nothing_to_wait_for_is_a_checkpoint() -> 
             scope.cancel()
             await sync
         assert scope.cancelled_caught, "await of a removed sync ignored a cancelled scope"
+
+
+# -- several syncs on one channel ----------------------------------------------------------
+
+
+def _tower(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+
+
+async def _two_models_one_task(s: DistSession, how: str, pattern: str) -> list[bool]:
+    """Two models, each with its own sync, made by one task: both push
+    buckets onto the channel "gradients" in one backward (a generator
+    trained through its discriminator), or in two backward calls before
+    either is awaited (an actor's loss and a critic's), so one sync's
+    buckets launch while the other's are still on the wire."""
+    first, second = _tower(0), _tower(1)
+    params = [p for model in (first, second) for p in model.parameters()]
+    tiny = {"bucket_mb": 0.005, "first_bucket_mb": 0.002}  # a bucket a layer, about
+    syncs = [s.gradient_sync(first, **tiny), s.gradient_sync(second, **tiny)]
+    same = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * s.rank + step)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+        if pattern == "one backward":
+            losses = [second(first(x)).square().mean()]
+        else:
+            losses = [first(x).square().mean(), second(y).square().mean()]
+        # this rank's own gradients, taken before backward puts them in buckets
+        # (once zero_grad(set_to_none=False) made the buckets the .grad, they
+        # are on the wire as soon as backward returns)
+        local = [torch.zeros_like(p) for p in params]
+        for loss in losses:
+            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            for total, grad in zip(local, grads, strict=True):
+                if grad is not None:
+                    total += grad
+            loss.backward()
+        for sync in syncs:
+            await _wait(sync, how)
+        for mine, param in zip(local, params, strict=True):
+            both = s.all_gather(mine).wait()
+            same.append(torch.equal(param.grad, (both[0] + both[1]) * 0.5))
+        for model in (first, second):
+            model.zero_grad(set_to_none=step % 2 == 0)
+    assert len(syncs[0].bucket_sizes) >= 3, syncs[0].bucket_sizes
+    return same
+
+
+@pytest.mark.parametrize("pattern", ["one backward", "two backward calls"])
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_two_syncs_made_by_one_task_share_the_gradients_channel(how: str, pattern: str) -> None:
+    """Both syncs' launches count as one issuer's (autograd orders them alike
+    on every rank, as with two DDP modules on one group), so neither is
+    refused as a second task, and every gradient is the average."""
+    for same in _spawn(_two_models_one_task, 2, how, "asyncio", pattern):
+        assert same
+        assert all(same), [i for i, ok in enumerate(same) if not ok]
+
+
+async def _two_tasks_two_syncs(s: DistSession, how: str) -> list[str]:
+    """Each of two tasks makes its own sync on the one channel "gradients" and
+    runs backward: rank 0's second task launches while the first task's
+    collectives are outstanding (rank 1 is a second late), which the two
+    ranks could interleave in different orders. Refused on rank 0 alone;
+    rank 1's second task never launches, so the first tasks still pair."""
+    launched = anyio.Event()
+    told: list[str] = []
+
+    async def first() -> None:
+        model = BNNet()
+        sync = s.gradient_sync(model)
+        if s.rank == 1:
+            await anyio.sleep(1.0)
+        _loss(model, s.rank, 0).backward()
+        launched.set()
+        await _wait(sync, how)
+
+    async def second() -> None:
+        model = BNNet()
+        sync = s.gradient_sync(model)
+        await launched.wait()
+        if s.rank == 0:
+            try:
+                _loss(model, 0, 1).backward()
+            except AsyncDistError as exc:
+                told.append(f"{type(exc).__name__}: {exc}")
+        sync.remove()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        tg.start_soon(second)
+    return told
+
+
+def test_syncs_made_by_two_tasks_are_two_issuers_on_one_channel() -> None:
+    told, quiet = _spawn(_two_tasks_two_syncs, 2, "async", "asyncio")
+    assert quiet == []
+    assert len(told) == 1, told
+    assert told[0].startswith("CollectiveMismatch: "), told
+    assert "two tasks at once issue on channel 'gradients'" in told[0], told

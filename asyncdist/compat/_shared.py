@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .. import _groups
 from .._handle import Handle, combined
 from .._session import DistSession
-from .._wakeup import issuing_as
+from .._wakeup import IssuerKey, issuing_as
 from ..errors import AsyncDistError, InitError, SessionClosed
 
 logger = logging.getLogger("asyncdist.compat")
@@ -50,7 +50,7 @@ released: list[Any] = []  # the groups the last dist_finalize() let go of (for t
 
 _pending: list[Handle[Any]] = []  # async handles not yet waited by synchronize()
 _pending_lock = threading.Lock()
-_OWNER = object()  # the one issuer every compat collective counts as
+_OWNER: IssuerKey = (-2, 0)  # the one issuer every compat collective counts as
 
 
 def issuing() -> contextlib.AbstractContextManager[None]:
