@@ -292,3 +292,105 @@ def test_awaited_bitwise_ddp(async_backend: str, tmp_path: Path) -> None:
         channels=["gradients"],
     )
     _check(results, ASYNC_CONFIGS, exact=True)
+
+
+# -- a GAN: two models, two syncs, one backward through both ---------------------------------
+
+
+def _gan(rank: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A generator with BatchNorm and a discriminator, different on every rank."""
+    torch.manual_seed(200 + rank)
+    gen = torch.nn.Sequential(
+        torch.nn.Linear(4, 16, bias=False),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 6),
+    )
+    disc = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1)
+    )
+    bn = gen[1]
+    assert bn.running_mean is not None
+    bn.running_mean.normal_()
+    return gen, disc
+
+
+def _gan_steps(s: DistSession, arm: str) -> dict[str, Any]:
+    """The DCGAN tutorial's loop: the discriminator's step on real and
+    detached fake data, then the generator's through the discriminator.
+    ``arm``: both models under DDP, or each under its own gradient_sync.
+    There the generator's backward runs inside the discriminator's
+    ``no_sync()`` (its gradients there serve the generator only), or, as
+    DDP does, averages them too (both syncs launch in that one backward),
+    and the next ``zero_grad`` drops them either way."""
+    gen, disc = _gan(s.rank)
+    seen: list[torch.Tensor] = []
+    gen[1].register_forward_pre_hook(lambda m, args: seen.append(m.running_mean.clone()))
+    if arm == "ddp":
+        run_gen, run_disc = DistributedDataParallel(gen), DistributedDataParallel(disc)
+        syncs: tuple[GradientSync, GradientSync] | None = None
+    else:
+        run_gen, run_disc = gen, disc
+        tiny = {"bucket_mb": 0.0005, "first_bucket_mb": 0.0002}  # a few buckets each
+        syncs = (s.gradient_sync(gen, **tiny), s.gradient_sync(disc, **tiny))
+        for sync in syncs:
+            sync.broadcast_parameters()
+    opt_g = torch.optim.Adam(gen.parameters(), lr=0.01, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=0.01, betas=(0.5, 0.999))
+    bce = torch.nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(10_000 * s.rank)
+    for _ in range(STEPS):
+        real, noise = torch.randn(8, 6, generator=g) + 1, torch.randn(8, 4, generator=g)
+        fake = run_gen(noise)
+        opt_d.zero_grad()
+        real_loss = bce(run_disc(real), torch.ones(8, 1))
+        fake_loss = bce(run_disc(fake.detach()), torch.zeros(8, 1))
+        (real_loss + fake_loss).backward()
+        if syncs is not None:
+            syncs[1].wait()
+        opt_d.step()
+        opt_g.zero_grad()
+        local = syncs is not None and arm == "ours, no_sync"
+        with syncs[1].no_sync() if syncs is not None and local else contextlib.nullcontext():
+            bce(run_disc(fake), torch.ones(8, 1)).backward()
+        if syncs is not None:
+            syncs[0].wait()
+            syncs[1].wait()  # nothing to wait for under no_sync
+        opt_g.step()
+    if syncs is not None:
+        assert len(syncs[0].bucket_sizes) >= 2
+        assert len(syncs[1].bucket_sizes) >= 2
+    state = {f"gen.{k}": v for k, v in gen.named_parameters()}
+    state |= {f"disc.{k}": v for k, v in disc.named_parameters()}
+    return {"seen": seen, "state": {k: v.detach().clone() for k, v in state.items()}}
+
+
+GAN_ARMS = ("ours, no_sync", "ours, as DDP", "ddp")
+
+
+def _gan_compare(s: DistSession) -> dict[str, dict[str, Any]]:
+    return {arm: _gan_steps(s, arm) for arm in GAN_ARMS}
+
+
+@pytest.mark.timeout(120)
+def test_a_gan_trains_bitwise_as_with_two_ddp_modules() -> None:
+    """Two syncs made by one task share the channel "gradients" (in the
+    generator's backward through the discriminator both launch), and the
+    generator's buffers are handed over as DDP broadcasts them: every
+    parameter, and the running statistics each forward saw, are DDP's, bit
+    for bit, on both ranks."""
+    results = spawn(_gan_compare, 2, timeout=60)
+    for rank, result in enumerate(results):
+        theirs = result["ddp"]
+        for arm in GAN_ARMS[:2]:
+            ours = result[arm]
+            assert len(ours["seen"]) == len(theirs["seen"]) == STEPS
+            for step, (a, b) in enumerate(zip(ours["seen"], theirs["seen"], strict=True)):
+                assert torch.equal(a, b), f"rank {rank}, {arm}: buffers at forward {step}"
+            assert list(ours["state"]) == list(theirs["state"])
+            for key, value in ours["state"].items():
+                where = f"rank {rank}, {arm}: {key} differs from DDP's"
+                assert torch.equal(value, theirs["state"][key]), where
+    # the ranks started apart, and rank 0's weights won
+    first, second = (r["ours, as DDP"]["state"]["disc.0.weight"] for r in results)
+    assert torch.equal(first, second)
