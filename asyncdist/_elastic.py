@@ -119,8 +119,9 @@ class ElasticState:
     def commit(self) -> None:
         """Copy the state in memory: after a re-form, training goes on from
         the latest commit. Call it between steps (after the optimizer
-        stepped), every N steps; it is local, and as cheap as copying the
-        state once.
+        stepped), every N steps; it costs copying the state once, and
+        (until a joiner is planned in) one question to the elastic
+        coordinator, waited for the session timeout at most.
 
         Every rank commits at the same steps: a commit is also where a
         waiting joiner is taken in (the world then ends there, on every rank
@@ -130,7 +131,9 @@ class ElasticState:
             AsyncDistError: a gradient sync's step is launched but not
                 finished (``await sync`` first): its values would be half a step.
             MembershipChanged: (after the copy) the world ends here to take
-                in a joiner; ``with world:`` catches it.
+                in a joiner, or, on this rank, because the elastic
+                coordinator did not answer within the session timeout;
+                ``with world:`` catches it.
         """
         busy = self._busy()
         if busy is not None:

@@ -56,12 +56,13 @@ import datetime
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -69,7 +70,7 @@ from ._coordinator import ROOT, start_sidecar
 from ._env import detect, is_loopback
 from ._groups import form_generation
 from ._reach import PROBE_TIMEOUT, Probe, connected, reachable
-from .errors import InitError, MembershipLost
+from .errors import InitError, MembershipChanged, MembershipLost
 
 logger = logging.getLogger("asyncdist")
 
@@ -81,6 +82,64 @@ POLL = 0.02  # seconds between looks while re-forming
 # forming the groups); the proposer waits this long for a missing report.
 REFORM_GRACE = 5.0
 LEAVE_TIMEOUT = 2.0  # seconds a leaving member waits to tell the coordinator
+
+
+T = TypeVar("T")
+
+
+class _Silent(Exception):
+    """The coordinator gave no answer within the bound."""
+
+
+class _Requests:
+    """A member's round trips to the coordinator, made one at a time on a
+    daemon thread of their own and each waited for with a bound.
+
+    torch's store client has no receive timeout: a coordinator that went
+    silent (cut off, stopped) would hold a read forever, on the training
+    thread at a commit or while re-forming. Here the thread that is held is
+    this one; the caller gets ``_Silent`` at the bound, and a later request
+    queues behind the held one (the client runs one request at a time
+    anyway) and is bounded the same way.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[
+            tuple[Callable[[], Any], list[tuple[bool, Any]], threading.Event] | None
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (request := self._queue.get()) is not None:
+            call, outcome, done = request
+            try:
+                outcome.append((True, call()))
+            except BaseException as exc:  # noqa: BLE001 - it is raised on the caller's thread
+                outcome.append((False, exc))
+            done.set()
+
+    def answer(self, call: Callable[[], T], limit: float) -> T:
+        """``call()``'s result (or its exception), within ``limit`` seconds.
+
+        Raises:
+            _Silent: no answer within ``limit``.
+        """
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._queue.put((call, outcome, done))
+        if not done.wait(limit):
+            raise _Silent
+        answered, value = outcome[0]
+        if not answered:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    def close(self, limit: float) -> None:
+        """Stop the thread once the requests before are answered (within
+        ``limit``: a held one stays held, on a daemon thread)."""
+        self._queue.put(None)
+        self._thread.join(limit)
 
 
 def check_world_sizes(elastic: bool, least: object, most: object) -> None:
@@ -675,6 +734,13 @@ class Membership:
         self._loopback = False
         self._sidecar: Any = None  # a SLURM step's coordinator, which task 0 started
         self._probe: Probe | None = None  # this member's probe port (``_reach``)
+        self._asking: _Requests | None = None  # made on entry (or at a first request)
+
+    @property
+    def _requests(self) -> _Requests:
+        if self._asking is None:
+            self._asking = _Requests(f"asyncdist-coordinator-{self.me}")
+        return self._asking
 
     @property
     def coordinator(self) -> Coordinator:
@@ -761,6 +827,7 @@ class Membership:
         self._probe = self._open_probe(address)
         self._watcher = Watcher(address, self.me, wanted.timeout, on_end, self._probe)
         self._watcher.generation = self.generation
+        self._asking = _Requests(f"asyncdist-coordinator-{self.me}")  # a thread for the session
         try:
             return self.form(self.generation, rank, len(self.members))
         except BaseException:
@@ -821,57 +888,65 @@ class Membership:
         Raises:
             MembershipLost: no next world for this process.
         """
-        outcome: list[Decision | BaseException] = []
 
-        def agree() -> None:
-            try:
-                outcome.append(
-                    self.coordinator.reform(
-                        self.generation,
-                        self.members,
-                        Report(self.me, rank, commits),
-                        min_world_size=self.min_world_size,
-                        channels=channels,
-                        reason=reason,
-                        max_world_size=self.max_world_size,
-                        probe=self._reachable,
-                    )
-                )
-            except BaseException as exc:  # noqa: BLE001 - it is raised on the caller's thread
-                outcome.append(exc)
+        def agree() -> Decision:
+            return self.coordinator.reform(
+                self.generation,
+                self.members,
+                Report(self.me, rank, commits),
+                min_world_size=self.min_world_size,
+                channels=channels,
+                reason=reason,
+                max_world_size=self.max_world_size,
+                probe=self._reachable,
+            )
 
-        # torch's store client has no receive timeout: a coordinator that went
-        # silent (cut off, stopped) would hold a read forever. The agreement
-        # runs on a thread of its own, and this one waits for it with a bound.
         limit = self._timeout + 3 * REFORM_GRACE
-        thread = threading.Thread(target=agree, name=f"asyncdist-reform-{self.me}", daemon=True)
-        thread.start()
-        thread.join(limit)
-        if not outcome:
+        try:
+            decision = self._requests.answer(agree, limit)
+        except _Silent:
             raise MembershipLost(
                 f"the elastic coordinator at {self._where()} did not answer within {limit:g} s "
                 f"while world {self.generation + 1} was being agreed on: it is stopped, or "
                 "cut off from this process",
                 why="coordinator",
-            )
-        decision = outcome[0]
-        if isinstance(decision, MembershipLost):
-            raise decision
-        if isinstance(decision, BaseException):
+            ) from None
+        except MembershipLost:
+            raise
+        except Exception as exc:
             raise MembershipLost(
                 f"the elastic coordinator at {self._where()} stopped answering while world "
-                f"{self.generation + 1} was being agreed on ({decision})",
+                f"{self.generation + 1} was being agreed on ({exc})",
                 why="coordinator",
-            ) from decision
+            ) from exc
         old, self.members = self.members, decision.members
         self.generation = decision.generation
         self._planned = None
         if self._watcher is not None:
             self._watcher.generation = decision.generation
         if decision.members[0] == self.me:  # the new rank 0 tells joiners, and tidies up
-            self.coordinator.announce(decision)
-            with contextlib.suppress(RuntimeError, dist.DistError):
-                self.coordinator.forget(decision.generation - 2, [*old, *decision.members])
+            coordinator = self.coordinator
+
+            def tell() -> None:
+                coordinator.announce(decision)
+                with contextlib.suppress(RuntimeError, dist.DistError):
+                    coordinator.forget(decision.generation - 2, [*old, *decision.members])
+
+            try:
+                self._requests.answer(tell, self._timeout)
+            except _Silent:
+                raise MembershipLost(
+                    f"the elastic coordinator at {self._where()} did not answer within "
+                    f"{self._timeout:g} s when world {decision.generation} was announced: it "
+                    "is stopped, or cut off from this process",
+                    why="coordinator",
+                ) from None
+            except (RuntimeError, dist.DistError) as exc:
+                raise MembershipLost(
+                    f"the elastic coordinator at {self._where()} stopped answering when world "
+                    f"{decision.generation} was announced ({exc})",
+                    why="coordinator",
+                ) from exc
         return decision
 
     def _reachable(self, addresses: Mapping[str, str]) -> frozenset[str]:
@@ -882,17 +957,41 @@ class Membership:
     def at_commit(self, rank: int, commits: int) -> bool:
         """At the ``commits``-th commit: whether this world ends here to take
         in joiners (the same answer on every rank, see the module docstring).
-        Rank 0 plans the next commit as the end when a joiner waits."""
-        try:
-            coordinator = self.coordinator
-            if self._planned is None:
-                self._planned = coordinator.planned(self.generation)
-            room = self.max_world_size is None or len(self.members) < self.max_world_size
-            if self._planned is None and rank == 0 and room and coordinator.joiners(self.members):
-                self._planned = coordinator.plan(self.generation, commits + 1)
-        except (RuntimeError, dist.DistError) as exc:
-            logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)
-            return False
+        Rank 0 plans the next commit as the end when a joiner waits.
+
+        Raises:
+            MembershipChanged: the coordinator did not answer within the
+                session timeout (stopped, or cut off from this process): this
+                world ends here on this rank, and re-forming says whether a
+                next one forms.
+        """
+        if self._planned is None:
+            coordinator, generation, members = self.coordinator, self.generation, self.members
+            room = self.max_world_size is None or len(members) < self.max_world_size
+
+            def ask() -> int | None:
+                planned = coordinator.planned(generation)
+                if planned is None and rank == 0 and room and coordinator.joiners(members):
+                    planned = coordinator.plan(generation, commits + 1)
+                return planned
+
+            try:
+                self._planned = self._requests.answer(ask, self._timeout)
+            except _Silent:
+                why = (
+                    f"the elastic coordinator at {self._where()} did not answer within "
+                    f"{self._timeout:g} s at commit {commits}"
+                )
+                raise MembershipChanged(
+                    f"world {generation} ends on rank {rank}: {why}",
+                    op="commit",
+                    rank=rank,
+                    generation=generation,
+                    reason=why,
+                ) from None
+            except (RuntimeError, dist.DistError) as exc:
+                logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)
+                return False
         # ``>=``: a commit an elastic loop's start takes (not checked here)
         # may be the planned one; the world then ends at the next, on every rank
         return self._planned is not None and commits >= self._planned
@@ -910,13 +1009,14 @@ class Membership:
             self._probe.close()
             self._probe = None
         coordinator, self._coordinator = self._coordinator, None
+        held = False
         if coordinator is not None:
-
-            def tell() -> None:
-                with contextlib.suppress(RuntimeError, dist.DistError):
-                    coordinator.leave(how)
-
-            # bounded: a coordinator cut off from this process would hold it forever
-            telling = threading.Thread(target=tell, name=f"asyncdist-leave-{self.me}", daemon=True)
-            telling.start()
-            telling.join(LEAVE_TIMEOUT)
+            try:  # told if it can be: the session ends either way
+                self._requests.answer(lambda: coordinator.leave(how), LEAVE_TIMEOUT)
+            except _Silent:
+                held = True
+            except (RuntimeError, dist.DistError):
+                pass
+        asking, self._asking = self._asking, None
+        if asking is not None:
+            asking.close(0.0 if held else LEAVE_TIMEOUT)

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -34,6 +35,7 @@ from asyncdist import (
     CollectiveTimeout,
     DistSession,
     InitError,
+    MembershipChanged,
     MembershipLost,
     PeerFailure,
     spawn,
@@ -731,6 +733,99 @@ def test_a_survivor_waits_for_a_dead_members_heartbeat_before_it_gives_up(
     )
     assert decided.members == ("a",)
     assert 1.0 <= time.monotonic() - started < 1.3 + 1.0  # the timeout, within the deadline
+
+
+class _SilentCoordinator:
+    """A coordinator cut off mid-request: every call blocks (as torch's store
+    client does, which has no receive timeout) until ``release``."""
+
+    def __init__(self, answers: dict[str, Any] | None = None) -> None:
+        self.release = threading.Event()
+        self._answers = answers or {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._answers:
+            return lambda *args, **kwargs: self._answers[name]
+
+        def blocked(*args: Any, **kwargs: Any) -> Any:
+            self.release.wait(20)
+            raise RuntimeError("answered too late")
+
+        return blocked
+
+
+def _silent_member(coordinator: _SilentCoordinator, timeout: float) -> Any:
+    from asyncdist._membership import Membership
+
+    member = Membership(min_world_size=1)
+    member._coordinator = coordinator  # type: ignore[assignment]
+    member._timeout, member._address = timeout, ("10.0.0.9", 4321)
+    member.generation, member.members = 3, (member.me, "b")
+    return member
+
+
+@pytest.mark.timeout(30)
+def test_a_coordinator_silent_at_a_commit_ends_the_world_within_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cut that lands while a commit asks the coordinator whether a joiner
+    waits held the training thread in a read with no deadline (the store
+    client has none), with nothing outstanding for the watchdog to break:
+    the cut-off rank never ended. The commit now waits the session timeout
+    at most, then ends the world on that rank, and the re-forming that
+    follows is bounded too: MembershipLost("coordinator")."""
+    from asyncdist import _membership
+
+    monkeypatch.setattr(_membership, "REFORM_GRACE", 0.2)
+    silent = _SilentCoordinator()
+    member = _silent_member(silent, 0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MembershipChanged) as told:
+            member.at_commit(1, 7)
+        assert 0.5 <= time.monotonic() - started < 1.5
+        assert str(told.value).startswith(
+            "world 3 ends on rank 1: the elastic coordinator at "
+            "10.0.0.9:4321 did not answer within 0.5 s at commit 7"
+        ), told.value
+        assert (told.value.generation, told.value.op) == (3, "commit")
+        started = time.monotonic()
+        with pytest.raises(MembershipLost, match=r"did not answer within 1\.1 s") as lost:
+            member.reform(told.value.reason, 1, 7, channels=[])
+        assert lost.value.why == "coordinator"
+        assert time.monotonic() - started < 1.1 + 1.0
+    finally:
+        silent.release.set()
+        member.leave("exited")  # and its requests' thread ends
+    # a coordinator that answers with an error is told about, and the world goes on
+    failing = _silent_member(_SilentCoordinator(), 5.0)
+    failing._coordinator.release.set()
+    assert failing.at_commit(1, 8) is False
+    failing.leave("exited")
+    assert not [t for t in threading.enumerate() if t.name.startswith("asyncdist-coordinator")]
+
+
+@pytest.mark.timeout(30)
+def test_a_coordinator_silent_when_rank_0_announces_the_new_world_is_lost() -> None:
+    """The new world's rank 0 tells the joiners, on the coordinator: a cut
+    there held it forever too, and an error there came out as torch's own."""
+    silent = _SilentCoordinator()
+    member = _silent_member(silent, 0.5)
+    silent._answers["reform"] = Decision(4, (member.me,), 7, (), "b died")
+    try:
+        started = time.monotonic()
+        with pytest.raises(MembershipLost, match="when world 4 was announced") as lost:
+            member.reform("b died", 0, 7, channels=[])
+        assert lost.value.why == "coordinator"
+        assert 0.5 <= time.monotonic() - started < 1.5
+    finally:
+        silent.release.set()
+        member.leave("exited")  # and its requests' thread ends
+    # one that answers with an error there is no bare RuntimeError either
+    member = _silent_member(silent, 0.5)
+    with pytest.raises(MembershipLost, match="stopped answering when world 4 was announced"):
+        member.reform("b died", 0, 7, channels=[])
+    member.leave("exited")
 
 
 def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
