@@ -135,14 +135,33 @@ class ElasticState:
                 coordinator did not answer within the session timeout;
                 ``with world:`` catches it.
         """
+        self._copy("commit()")
+        self._end_if(self._ends_at(self._commits))
+
+    async def commit_async(self) -> None:
+        """[commit][asyncdist.ElasticState.commit] for async code: the copy
+        is taken at once, and the coordinator's answer is awaited off the
+        event loop, so other tasks run while it comes (up to the session
+        timeout when the coordinator is silent).
+
+        Raises:
+            AsyncDistError, MembershipChanged: as ``commit``.
+        """
+        self._copy("commit_async()")
+        self._end_if(await anyio.to_thread.run_sync(self._ends_at, self._commits))
+
+    def _copy(self, call: str) -> None:
+        """A commit's copy, once no gradient sync has a step in flight."""
         busy = self._busy()
         if busy is not None:
             raise AsyncDistError(
-                f"commit() while {busy} has a step in flight: `await sync` (or "
+                f"{call} while {busy} has a step in flight: `await sync` (or "
                 "`sync.wait()`) before committing, so the copy is a whole step"
             )
         self.take()
-        reason = self._ends_at(self._commits)
+
+    def _end_if(self, reason: str | None) -> None:
+        """End the world at this commit, for ``reason`` (if any)."""
         if reason is not None:
             raise MembershipChanged(
                 f"the world ends at commit {self._commits} on every rank: {reason}",

@@ -846,6 +846,46 @@ async def _late_peer(s: DistSession) -> float:
     return meter.max_stall
 
 
+async def _slow_coordinator(s: DistSession) -> dict[str, float]:
+    """Each commit's question to the coordinator takes half a second here:
+    ``commit_async`` awaits it with the loop running; ``commit`` holds the
+    loop for it (what it measures shows that the delay was in force)."""
+    from asyncdist import _membership
+
+    asked = _membership.Coordinator.planned
+
+    def slow(self: Any, generation: int) -> int | None:
+        time.sleep(0.5)
+        return asked(self, generation)
+
+    _membership.Coordinator.planned = slow  # type: ignore[method-assign]
+    state = s.elastic_state(step=0)
+    took: dict[str, float] = {}
+    async for world in s.elastic(state):
+        async with world:
+            async with no_stall(what="commit_async", bound=10.0) as meter:
+                started = time.monotonic()
+                await state.commit_async()
+                took["async"] = time.monotonic() - started
+            took["async stall"] = meter.max_stall
+            async with no_stall(what="commit", bound=10.0) as meter:
+                state.commit()
+            took["sync stall"] = meter.max_stall
+            await s.barrier()
+    took["commits"] = state.commits
+    return took
+
+
+@pytest.mark.parametrize("async_backend", ["asyncio", "trio"])
+def test_commit_async_waits_for_the_coordinator_off_the_event_loop(async_backend: str) -> None:
+    ranks = spawn(_slow_coordinator, 2, elastic=True, timeout=TIMEOUT, async_backend=async_backend)
+    for took in ranks:
+        assert took["commits"] == 3, took  # the loop's start, then the two
+        assert took["async"] >= 0.5, took  # it did wait for the answer
+        assert took["async stall"] < STALL_BOUND, took
+        assert took["sync stall"] > 0.4, took  # commit() holds the loop: the delay was real
+
+
 # -- a replacement joins ----------------------------------------------------------------
 
 
