@@ -901,24 +901,8 @@ class Membership:
                 probe=self._reachable,
             )
 
-        limit = self._timeout + 3 * REFORM_GRACE
-        try:
-            decision = self._requests.answer(agree, limit)
-        except _Silent:
-            raise MembershipLost(
-                f"the elastic coordinator at {self._where()} did not answer within {limit:g} s "
-                f"while world {self.generation + 1} was being agreed on: it is stopped, or "
-                "cut off from this process",
-                why="coordinator",
-            ) from None
-        except MembershipLost:
-            raise
-        except Exception as exc:
-            raise MembershipLost(
-                f"the elastic coordinator at {self._where()} stopped answering while world "
-                f"{self.generation + 1} was being agreed on ({exc})",
-                why="coordinator",
-            ) from exc
+        during = f"while world {self.generation + 1} was being agreed on"
+        decision = self._agreed(agree, self._timeout + 3 * REFORM_GRACE, during)
         old, self.members = self.members, decision.members
         self.generation = decision.generation
         self._planned = None
@@ -932,22 +916,31 @@ class Membership:
                 with contextlib.suppress(RuntimeError, dist.DistError):
                     coordinator.forget(decision.generation - 2, [*old, *decision.members])
 
-            try:
-                self._requests.answer(tell, self._timeout)
-            except _Silent:
-                raise MembershipLost(
-                    f"the elastic coordinator at {self._where()} did not answer within "
-                    f"{self._timeout:g} s when world {decision.generation} was announced: it "
-                    "is stopped, or cut off from this process",
-                    why="coordinator",
-                ) from None
-            except (RuntimeError, dist.DistError) as exc:
-                raise MembershipLost(
-                    f"the elastic coordinator at {self._where()} stopped answering when world "
-                    f"{decision.generation} was announced ({exc})",
-                    why="coordinator",
-                ) from exc
+            self._agreed(tell, self._timeout, f"when world {decision.generation} was announced")
         return decision
+
+    def _agreed(self, call: Callable[[], T], limit: float, during: str) -> T:
+        """``call()``'s answer from the coordinator, within ``limit`` seconds.
+
+        Raises:
+            MembershipLost: no answer, or the coordinator's error (``during``
+                says when, in the message).
+        """
+        try:
+            return self._requests.answer(call, limit)
+        except _Silent:
+            raise MembershipLost(
+                f"the elastic coordinator at {self._where()} did not answer within {limit:g} s "
+                f"{during}: it is stopped, or cut off from this process",
+                why="coordinator",
+            ) from None
+        except MembershipLost:
+            raise
+        except Exception as exc:
+            raise MembershipLost(
+                f"the elastic coordinator at {self._where()} stopped answering {during} ({exc})",
+                why="coordinator",
+            ) from exc
 
     def _reachable(self, addresses: Mapping[str, str]) -> frozenset[str]:
         """The members whose probe ports this member reaches now (bounded by
