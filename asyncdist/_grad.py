@@ -650,12 +650,6 @@ class GradientSync:
     def __init__(self, session: Carrier, module: torch.nn.Module, options: Options) -> None:
         self._carrier = session
         self._name = f"gradient_sync of {type(module).__name__} ({id(self):#x})"
-        # The syncs one task (or thread) makes issue as one, from whatever
-        # thread runs their hooks: autograd orders their launches alike on
-        # every rank (a GAN's two models in one backward, or two backward
-        # calls before one await), as DDP's reducers share a process group.
-        # Syncs that two tasks make are two issuers (see ``_lane``).
-        self._issuer = _wakeup.helper_key()
         self._module = module
         self._module_buffers = _Buffers(module)
         self._options = options
@@ -678,6 +672,17 @@ class GradientSync:
         # run while the second is sent. Each then lands as early as the link
         # allows, and its update runs while the next one travels.
         self._serial = optimizer is not None
+        # Who launches, on the lane's check (``_wakeup.one_after_another``).
+        # The syncs one task (or thread) makes are one family: their hooks'
+        # launches, from whatever thread autograd runs them on, come in
+        # autograd's order, alike on every rank (a GAN's two models in one
+        # backward, or two backward calls before one await), as DDP's
+        # reducers share a process group. What a step's finish launches
+        # counts as the finishing task's, so two tasks finishing syncs of one
+        # family at once are refused. With step overlap a bucket launches
+        # when the one before landed, at times that differ between ranks:
+        # such a sync is an issuer of its own.
+        self._issuer = _wakeup.own_key(self) if self._serial else _wakeup.family_key()
         self._hooks: list[Any] = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, index))  # type: ignore[no-untyped-call]
             for index, p in enumerate(self._params)
@@ -794,10 +799,11 @@ class GradientSync:
             f"last inside `with sync.no_sync():`). Nothing of this backward was launched"
         )
 
-    def _begin(self) -> None:
+    def _begin(self, *, by_task: bool = False) -> None:
         """A synced step starts: launch the buffer broadcast ahead of its
         buckets (rank 0's buffers as the forward left them; backward does not
         change buffers, and this copy is what every rank holds afterwards).
+        ``by_task``: from a step's finish, not a gradient hook.
 
         Raises:
             AsyncDistError: a parameter changed dtype, device or
@@ -812,7 +818,7 @@ class GradientSync:
         if self._options.broadcast_buffers and self._carrier.world_size > 1:
             buffers = self._module_buffers.tensors()
             if buffers:
-                self._buffers = self._broadcast(buffers, src=0)
+                self._buffers = self._broadcast(buffers, src=0, by_task=by_task)
 
     def _check_parameters(self) -> None:
         """Refuse a step whose parameters are no longer those the buckets
@@ -866,7 +872,8 @@ class GradientSync:
 
     def _launch_ready(self, *, everything: bool = False) -> None:
         """Launch buckets in order while the next one is complete (with step
-        overlap, and the one before it no longer on the wire)."""
+        overlap, and the one before it no longer on the wire); ``everything``
+        (a step's finish, not a gradient hook): complete or not."""
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
             if bucket.pending > 0 and not everything:
@@ -879,11 +886,19 @@ class GradientSync:
                 for slot, param in enumerate(bucket.params):
                     if not self._ready[self._index[id(param)]]:
                         bucket.fill(slot, param.grad)  # accumulated under no_sync() only
-            # hooks run on autograd's threads (CUDA) or the caller's: every
-            # launch counts as this sync's issuer's, whichever thread runs it
-            with issuing_as(self._issuer, self._name):
+            with self._issuing(by_task=everything):
                 bucket.handle = self._launch(bucket)
             self._next_launch += 1
+
+    def _issuing(self, *, by_task: bool) -> contextlib.AbstractContextManager[None]:
+        """Launches inside the block count as this sync's (see ``__init__``):
+        its family's from a gradient hook, on whatever thread autograd runs
+        it; ``by_task`` (finishing a step, broadcasting parameters), the
+        calling task's for its family."""
+        if self._serial or not by_task:
+            return issuing_as(self._issuer, self._name)
+        by = _wakeup.current_issuer()
+        return issuing_as((*self._issuer, *_wakeup.issuer_key()), f"{self._name} ({by})")
 
     def _launch(self, bucket: _Bucket) -> Handle[torch.Tensor]:
         if bucket.wire is None:
@@ -907,7 +922,7 @@ class GradientSync:
                 self._check_held()  # backward does not reach replaced parameters' hooks
                 if self._phase is _Phase.IDLE and self._untouched():
                     return  # this step is finished already: awaiting it again changes nothing
-                self._begin()  # no synced backward this step: reduce what there is
+                self._begin(by_task=True)  # no synced backward this step: reduce what there is
             self._launch_ready(everything=True)
             self._finishing = True
             if self._buffers is not None:
@@ -1041,7 +1056,7 @@ class GradientSync:
             i for i in reversed(range(len(self._params))) if i not in seen
         ]
         mine = -1 if self._fingerprint is None else self._fingerprint
-        with issuing_as(self._issuer, self._name):
+        with self._issuing(by_task=True):
             return self._carrier.broadcast_object((order, mine), src=0, allowed=[])
 
     def __repr__(self) -> str:
@@ -1115,12 +1130,13 @@ class GradientSync:
         finally:
             self._enabled = previous
 
-    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> Handle[None]:
+    def _broadcast(self, tensors: list[torch.Tensor], src: int, *, by_task: bool) -> Handle[None]:
         """Launch the broadcasts of ``tensors``, one flat buffer per dtype;
-        waiting copies the received values back (on the waiting thread)."""
+        waiting copies the received values back (on the waiting thread).
+        ``by_task``: as ``_issuing``'s."""
         groups = list(_ops.by_dtype(tensors).values())
         flats = [_ops.pack(group, self._carrier.device) for group in groups]
-        with issuing_as(self._issuer, self._name):
+        with self._issuing(by_task=by_task):
             parts = [self._carrier.broadcast(flat, src=src) for flat in flats]
 
         def copy_back(received: list[torch.Tensor]) -> None:
@@ -1132,7 +1148,7 @@ class GradientSync:
     def _broadcast_parameters(self, src: int) -> Handle[None]:
         tensors = [p.data for p in self._module.parameters()]
         tensors += [b.data for b in self._module.buffers()]
-        return self._broadcast(tensors, src)
+        return self._broadcast(tensors, src, by_task=True)
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy every parameter and buffer from rank ``src`` to all ranks,

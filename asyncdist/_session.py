@@ -488,12 +488,15 @@ class DistSession(Collectives):
         (metrics, say) neither pair with a bucket nor queue behind one. Its
         first use forms it (every rank, same order): in async code declare it
         at entry with ``DistSession(channels=["gradients"])`` so nothing waits
-        on the loop. The syncs one task (or thread) makes share the channel
-        as one issuer, as two DDP modules share a process group: a
-        generator and its discriminator may launch in one backward. Syncs
-        that two concurrent tasks make are two issuers, refused on one
-        channel while the other's buckets are outstanding: give each task's
-        sync a channel of its own.
+        on the loop. The syncs one task (or thread) makes share the channel,
+        as two DDP modules share a process group: a generator and its
+        discriminator may launch in one backward, and any task may finish a
+        step. Refused on the issuing rank, while another's collectives on
+        the channel are outstanding: two tasks finishing such syncs at once
+        (``asyncio.gather(sync_g, sync_d)``), syncs that two tasks made, and
+        a sync with step overlap (``optimizer=``) beside another, since its
+        buckets launch as the one before lands, at times that differ between
+        ranks. Give those a channel each.
 
         ``optimizer``: step overlap. Awaiting the sync also runs this
         optimizer's update, one bucket's parameters at a time as each bucket

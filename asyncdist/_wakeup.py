@@ -131,7 +131,9 @@ def in_async_context() -> bool:
     return True
 
 
-IssuerKey = tuple[int, int]
+# Who issues a collective, on a lane's check: ``(thread, task)`` (thread >= 0),
+# or a helper's key (first item below 0), which ``issuing_as`` sets.
+IssuerKey = tuple[int, ...]
 
 # Who issues, when a helper issues on someone's behalf from whatever thread
 # runs it (gradient hooks run on autograd's threads on CUDA): (key, name).
@@ -143,11 +145,18 @@ _ISSUING_AS: contextvars.ContextVar[tuple[IssuerKey, str] | None] = contextvars.
 )
 
 
-def helper_key() -> IssuerKey:
-    """An issuer of its own for the helpers the calling task (or thread)
-    makes, apart from the task itself: ``(-1, n)``, never a ``(thread,
-    task)`` key. Helpers made by one task share it."""
+def family_key() -> IssuerKey:
+    """The key of the helpers the calling task (or thread) makes, apart
+    from the task itself: ``(-1, n)``, shared by every helper it makes.
+    What a task launches on a family's behalf, outside the family's own
+    ordered path, is ``(-1, n, *that task's key)`` (see
+    ``one_after_another``)."""
     return (-1, hash(issuer_key()))
+
+
+def own_key(owner: object) -> IssuerKey:
+    """A key of ``owner``'s own, shared with nothing: ``(-3, id)``."""
+    return (-3, id(owner))
 
 
 @contextlib.contextmanager
@@ -187,8 +196,18 @@ def one_after_another(last: IssuerKey, new: IssuerKey) -> bool:
     """Whether ``new`` issuing after ``last`` is sequential by construction:
     the same issuer, or a thread's plain code and a task on that same thread
     (``anyio.run`` inside sync code, or sync code after it returned), which
-    cannot both run at once."""
-    return last == new or (last[0] == new[0] >= 0 and 0 in (last[1], new[1]))
+    cannot both run at once. In a helper family (``family_key``), what the
+    family launches on its ordered path (``(-1, n)``: gradient hooks, in
+    autograd's order) and what a task launches for it (``(-1, n, thread,
+    task)``) follow each other; two tasks' launches for one family follow
+    the rule for the two tasks."""
+    if last == new:
+        return True
+    if len(last) == 2 and len(new) == 2:
+        return last[0] == new[0] >= 0 and 0 in (last[1], new[1])
+    if last[:2] != new[:2] or last[0] != -1:
+        return False
+    return len(last) == 2 or len(new) == 2 or one_after_another(last[2:], new[2:])
 
 
 def current_issuer() -> str:

@@ -889,3 +889,72 @@ def test_syncs_made_by_two_tasks_are_two_issuers_on_one_channel() -> None:
     assert len(told) == 1, told
     assert told[0].startswith("CollectiveMismatch: "), told
     assert "two tasks at once issue on channel 'gradients'" in told[0], told
+
+
+async def _two_tasks_finish_one_family(s: DistSession, how: str) -> list[str]:
+    """One task makes two syncs and runs one backward through both; then two
+    tasks finish them at once (as ``asyncio.gather(sync_a, sync_b)`` does).
+    Each first step's finish sends its sync's bucket order, and two tasks'
+    sends interleave in whatever order their waits end, which can differ
+    between ranks. Rank 0's second finisher is refused (the first's send is
+    outstanding: rank 1 is a second late); rank 1 finishes the first alone,
+    so the ranks still pair."""
+    first, second = _tower(0), _tower(1)
+    syncs = [s.gradient_sync(first), s.gradient_sync(second)]
+    second(first(torch.randn(4, 32))).sum().backward()
+    told: list[str] = []
+
+    async def finish(sync: Any, delay: float) -> None:
+        await anyio.sleep(delay)
+        try:
+            await sync
+        except AsyncDistError as exc:
+            told.append(f"{type(exc).__name__}: {exc}")
+
+    async with anyio.create_task_group() as tg:
+        if s.rank == 0:
+            tg.start_soon(finish, syncs[0], 0.0)
+            tg.start_soon(finish, syncs[1], 0.2)
+        else:
+            tg.start_soon(finish, syncs[0], 1.0)
+    return told
+
+
+def test_two_tasks_finishing_syncs_of_one_task_at_once_are_refused() -> None:
+    told, quiet = _spawn(_two_tasks_finish_one_family, 2, "async", "asyncio")
+    assert quiet == []
+    assert len(told) == 1, told
+    assert told[0].startswith("CollectiveMismatch: "), told
+    assert "two tasks at once issue on channel 'gradients'" in told[0], told
+
+
+async def _finished_by_another_task(s: DistSession, how: str) -> list[float]:
+    """Backward in this task, through two syncs of its making; the first is
+    finished by a task of its own (as ``asyncio.wait_for(sync, t)`` does
+    before Python 3.12). Its bucket launches only then (a parameter with no
+    gradient keeps it from launching in backward), while the second sync's
+    bucket from the hooks is still on the wire (rank 1 is a second late):
+    the hooks' launches and a task's launches for the family follow each
+    other, whichever task it is."""
+    first, second = _tower(0), _tower(1)
+    first.register_parameter("unused", torch.nn.Parameter(torch.zeros(2)))
+    syncs = [s.gradient_sync(first), s.gradient_sync(second)]
+    if s.rank == 1:
+        await anyio.sleep(1.0)
+    second(first(torch.randn(4, 32) + s.rank)).sum().backward()
+    from asyncdist._grad import buckets_of
+
+    assert [b.handle is None for b in buckets_of(syncs[0])] == [True]  # left for the finish
+    assert [b.handle is None for b in buckets_of(syncs[1])] == [False]  # on the wire
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_wait, syncs[0], how)
+    await _wait(syncs[1], how)
+    assert first.unused.grad is None  # no gradient on any rank
+    return [
+        float(p.grad.sum()) for m in (first, second) for p in m.parameters() if p.grad is not None
+    ]
+
+
+def test_a_step_finished_by_another_task_follows_the_hooks() -> None:
+    mine, theirs = _spawn(_finished_by_another_task, 2, "async", "asyncio")
+    assert mine == theirs  # averaged: the ranks' inputs differ

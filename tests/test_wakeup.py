@@ -10,7 +10,7 @@ import anyio
 import pytest
 import trio
 
-from asyncdist._wakeup import Callback, current_issuer, wait_for
+from asyncdist._wakeup import Callback, current_issuer, one_after_another, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -223,3 +223,37 @@ def test_issuer_same_name_tasks_differ() -> None:
     first, second = trio.run(trio_main)
     assert first.startswith("trio task 'same'")
     assert first != second
+
+
+def test_which_issuers_follow_each_other_by_construction() -> None:
+    """The lane's check: a thread and the tasks on it; a helper family's
+    hook launches and the launches a task makes for it; never two tasks,
+    two families, or a helper of its own and anything else."""
+    thread, task_a, task_b, other_thread = (11, 0), (11, 5), (11, 6), (12, 0)
+    family, other_family, own = (-1, 7), (-1, 8), (-3, 9)
+    follow = [
+        (thread, task_a),
+        (task_a, thread),
+        (family, (*family, *task_a)),
+        ((*family, *task_a), family),
+        ((*family, *task_a), (*family, *thread)),
+        (own, own),
+    ]
+    apart = [
+        (task_a, task_b),
+        (thread, other_thread),
+        ((*family, *task_a), (*family, *task_b)),
+        ((*family, *task_a), (*family, *other_thread)),
+        (family, other_family),
+        ((*family, *task_a), (*other_family, *task_a)),
+        (family, task_a),
+        ((*family, *task_a), task_a),
+        (own, family),
+        (own, (-3, 10)),
+        ((-2, 0), family),
+    ]
+    for last, new in follow:
+        assert one_after_another(last, new), (last, new)
+    for last, new in apart:
+        assert not one_after_another(last, new), (last, new)
+        assert not one_after_another(new, last), (new, last)
