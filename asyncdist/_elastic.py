@@ -142,13 +142,17 @@ class ElasticState:
         """[commit][asyncdist.ElasticState.commit] for async code: the copy
         is taken at once, and the coordinator's answer is awaited off the
         event loop, so other tasks run while it comes (up to the session
-        timeout when the coordinator is silent).
+        timeout when the coordinator is silent). Cancelled, it stops waiting
+        at once (the copy stays taken); an answer that comes later still
+        counts at the next commit.
 
         Raises:
             AsyncDistError, MembershipChanged: as ``commit``.
         """
         self._copy("commit_async()")
-        self._end_if(await anyio.to_thread.run_sync(self._ends_at, self._commits))
+        commits = self._commits
+        ends = await anyio.to_thread.run_sync(self._ends_at, commits, abandon_on_cancel=True)
+        self._end_if(ends)
 
     def _copy(self, call: str) -> None:
         """A commit's copy, once no gradient sync has a step in flight."""

@@ -61,7 +61,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -91,6 +91,17 @@ class _Silent(Exception):
     """The coordinator gave no answer within the bound."""
 
 
+@dataclass
+class _Request:
+    """One round trip: what to call, its outcome once made, and whether its
+    caller stopped waiting (then it is not made, if it has not started)."""
+
+    call: Callable[[], Any]
+    outcome: list[tuple[bool, Any]] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False
+
+
 class _Requests:
     """A member's round trips to the coordinator, made one at a time on a
     daemon thread of their own and each waited for with a bound.
@@ -100,24 +111,24 @@ class _Requests:
     thread at a commit or while re-forming. Here the thread that is held is
     this one; the caller gets ``_Silent`` at the bound, and a later request
     queues behind the held one (the client runs one request at a time
-    anyway) and is bounded the same way.
+    anyway) and is bounded the same way. A request whose caller gave up is
+    dropped unmade: a late re-form must not report a member that has
+    already raised.
     """
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[
-            tuple[Callable[[], Any], list[tuple[bool, Any]], threading.Event] | None
-        ] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while (request := self._queue.get()) is not None:
-            call, outcome, done = request
-            try:
-                outcome.append((True, call()))
-            except BaseException as exc:  # noqa: BLE001 - it is raised on the caller's thread
-                outcome.append((False, exc))
-            done.set()
+            if not request.abandoned:
+                try:
+                    request.outcome.append((True, request.call()))
+                except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                    request.outcome.append((False, exc))
+            request.done.set()
 
     def answer(self, call: Callable[[], T], limit: float) -> T:
         """``call()``'s result (or its exception), within ``limit`` seconds.
@@ -125,15 +136,20 @@ class _Requests:
         Raises:
             _Silent: no answer within ``limit``.
         """
-        outcome: list[tuple[bool, Any]] = []
-        done = threading.Event()
-        self._queue.put((call, outcome, done))
-        if not done.wait(limit):
+        request = _Request(call)
+        self._queue.put(request)
+        if not request.done.wait(limit):
+            request.abandoned = True
             raise _Silent
-        answered, value = outcome[0]
+        answered, value = request.outcome[0]
         if not answered:
             raise value
         return value  # type: ignore[no-any-return]
+
+    def send(self, call: Callable[[], None]) -> None:
+        """Make ``call()`` after the requests before it, waiting for nothing
+        (its errors are its own to handle)."""
+        self._queue.put(_Request(call))
 
     def close(self, limit: float) -> None:
         """Stop the thread once the requests before are answered (within
@@ -889,10 +905,12 @@ class Membership:
             MembershipLost: no next world for this process.
         """
 
+        coordinator, generation, members = self.coordinator, self.generation, self.members
+
         def agree() -> Decision:
-            return self.coordinator.reform(
-                self.generation,
-                self.members,
+            return coordinator.reform(
+                generation,
+                members,
                 Report(self.me, rank, commits),
                 min_world_size=self.min_world_size,
                 channels=channels,
@@ -910,13 +928,14 @@ class Membership:
             self._watcher.generation = decision.generation
         if decision.members[0] == self.me:  # the new rank 0 tells joiners, and tidies up
             coordinator = self.coordinator
+            announced = f"when world {decision.generation} was announced"
+            self._agreed(lambda: coordinator.announce(decision), self._timeout, announced)
 
-            def tell() -> None:
-                coordinator.announce(decision)
+            def tidy() -> None:  # waited for by nobody: it only keeps the store small
                 with contextlib.suppress(RuntimeError, dist.DistError):
                     coordinator.forget(decision.generation - 2, [*old, *decision.members])
 
-            self._agreed(tell, self._timeout, f"when world {decision.generation} was announced")
+            self._requests.send(tidy)
         return decision
 
     def _agreed(self, call: Callable[[], T], limit: float, during: str) -> T:
@@ -969,7 +988,7 @@ class Membership:
                 return planned
 
             try:
-                self._planned = self._requests.answer(ask, self._timeout)
+                planned = self._requests.answer(ask, self._timeout)
             except _Silent:
                 why = (
                     f"the elastic coordinator at {self._where()} did not answer within "
@@ -985,6 +1004,8 @@ class Membership:
             except (RuntimeError, dist.DistError) as exc:
                 logger.warning("elastic: the coordinator did not answer at a commit: %s", exc)
                 return False
+            if self.generation == generation:  # (``commit_async`` may have given up on it)
+                self._planned = planned
         # ``>=``: a commit an elastic loop's start takes (not checked here)
         # may be the planned one; the world then ends at the next, on every rank
         return self._planned is not None and commits >= self._planned

@@ -826,6 +826,38 @@ def test_a_coordinator_silent_when_rank_0_announces_the_new_world_is_lost() -> N
     with pytest.raises(MembershipLost, match="stopped answering when world 4 was announced"):
         member.reform("b died", 0, 7, channels=[])
     member.leave("exited")
+    # tidying the store afterwards is waited for by nobody: a slow one loses nothing
+    slow_tidy = _SilentCoordinator({"reform": Decision(4, (member.me,), 7, (), "b died")})
+    slow_tidy._answers["announce"] = None
+    member = _silent_member(slow_tidy, 0.5)
+    try:
+        started = time.monotonic()
+        assert member.reform("b died", 0, 7, channels=[]).generation == 4
+        assert time.monotonic() - started < 0.4
+    finally:
+        slow_tidy.release.set()
+        member.leave("exited")
+
+
+def test_a_request_given_up_on_is_not_made_late() -> None:
+    """A re-form whose caller gave up (the coordinator was silent) must not
+    reach the coordinator once it answers again: it would report a member
+    that already raised MembershipLost, and the others would wait for it."""
+    from asyncdist._membership import _Requests, _Silent
+
+    requests = _Requests("asyncdist-test-requests")
+    held, made = threading.Event(), []
+    try:
+        with pytest.raises(_Silent):
+            requests.answer(lambda: held.wait(10), 0.1)  # the coordinator goes silent
+        with pytest.raises(_Silent):
+            requests.answer(lambda: made.append("late"), 0.1)  # queued behind it
+        held.set()  # it answers again
+        assert requests.answer(lambda: "next", 5.0) == "next"
+        assert made == []
+    finally:
+        held.set()
+        requests.close(5.0)
 
 
 def test_an_elastic_loop_waits_for_a_late_peer_off_the_event_loop() -> None:
@@ -871,6 +903,10 @@ async def _slow_coordinator(s: DistSession) -> dict[str, float]:
             async with no_stall(what="commit", bound=10.0) as meter:
                 state.commit()
             took["sync stall"] = meter.max_stall
+            started = time.monotonic()
+            with anyio.move_on_after(0.1):
+                await state.commit_async()
+            took["cancelled"] = time.monotonic() - started
             await s.barrier()
     took["commits"] = state.commits
     return took
@@ -880,10 +916,11 @@ async def _slow_coordinator(s: DistSession) -> dict[str, float]:
 def test_commit_async_waits_for_the_coordinator_off_the_event_loop(async_backend: str) -> None:
     ranks = spawn(_slow_coordinator, 2, elastic=True, timeout=TIMEOUT, async_backend=async_backend)
     for took in ranks:
-        assert took["commits"] == 3, took  # the loop's start, then the two
+        assert took["commits"] == 4, took  # the loop's start, then the three
         assert took["async"] >= 0.5, took  # it did wait for the answer
         assert took["async stall"] < STALL_BOUND, took
         assert took["sync stall"] > 0.4, took  # commit() holds the loop: the delay was real
+        assert took["cancelled"] < 0.4, took  # a cancelled commit_async stops waiting at once
 
 
 # -- a replacement joins ----------------------------------------------------------------
