@@ -883,12 +883,16 @@ async def _two_tasks_two_syncs(s: DistSession, how: str) -> list[str]:
     return told
 
 
-def test_syncs_made_by_two_tasks_are_two_issuers_on_one_channel() -> None:
-    told, quiet = _spawn(_two_tasks_two_syncs, 2, "async", "asyncio")
+def _refused_once_on_rank_0(ranks: list[list[str]]) -> None:
+    told, quiet = ranks
     assert quiet == []
     assert len(told) == 1, told
     assert told[0].startswith("CollectiveMismatch: "), told
     assert "two tasks at once issue on channel 'gradients'" in told[0], told
+
+
+def test_syncs_made_by_two_tasks_are_two_issuers_on_one_channel() -> None:
+    _refused_once_on_rank_0(_spawn(_two_tasks_two_syncs, 2, "async", "asyncio"))
 
 
 async def _two_tasks_finish_one_family(s: DistSession, how: str) -> list[str]:
@@ -921,11 +925,7 @@ async def _two_tasks_finish_one_family(s: DistSession, how: str) -> list[str]:
 
 
 def test_two_tasks_finishing_syncs_of_one_task_at_once_are_refused() -> None:
-    told, quiet = _spawn(_two_tasks_finish_one_family, 2, "async", "asyncio")
-    assert quiet == []
-    assert len(told) == 1, told
-    assert told[0].startswith("CollectiveMismatch: "), told
-    assert "two tasks at once issue on channel 'gradients'" in told[0], told
+    _refused_once_on_rank_0(_spawn(_two_tasks_finish_one_family, 2, "async", "asyncio"))
 
 
 async def _finished_by_another_task(s: DistSession, how: str) -> list[float]:
