@@ -42,7 +42,7 @@ class ElasticState:
     def __init__(
         self,
         items: dict[str, Any],
-        busy: Callable[[], str | None],
+        busy: Callable[[str], str | None],
         ends_at: Callable[[int], str | None] = lambda commits: None,
         rank: Callable[[], int] = lambda: 0,
     ) -> None:
@@ -130,6 +130,7 @@ class ElasticState:
         Raises:
             AsyncDistError: a gradient sync's step is launched but not
                 finished (``await sync`` first): its values would be half a step.
+            SessionClosed: the state's session is closed (nothing is copied).
             MembershipChanged: (after the copy) the world ends here to take
                 in a joiner, or, on this rank, because the elastic
                 coordinator did not answer within the session timeout;
@@ -156,7 +157,7 @@ class ElasticState:
 
     def _copy(self, call: str) -> None:
         """A commit's copy, once no gradient sync has a step in flight."""
-        busy = self._busy()
+        busy = self._busy(call)
         if busy is not None:
             raise AsyncDistError(
                 f"{call} while {busy} has a step in flight: `await sync` (or "

@@ -642,8 +642,19 @@ class DistSession(Collectives):
             )
         return self._membership
 
-    def _busy_sync(self) -> str | None:
-        """A gradient sync of this session with a step in flight, by name."""
+    def _busy_sync(self, call: str) -> str | None:
+        """A gradient sync of this session with a step in flight, by name:
+        what an elastic state's ``call`` (a commit) must wait for.
+
+        Raises:
+            SessionClosed: the session is closed: a commit has no world left
+                to end and no coordinator to ask.
+        """
+        if self._state is State.CLOSED:
+            raise SessionClosed(
+                f"{call} on rank {self.rank}: the session is closed; commit while it is open, "
+                "inside the elastic loop"
+            )
         return next((repr(sync) for sync in self._syncs if sync.pending), None)
 
     def _ends_world(self, exc: BaseException) -> bool:

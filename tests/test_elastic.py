@@ -38,6 +38,7 @@ from asyncdist import (
     MembershipChanged,
     MembershipLost,
     PeerFailure,
+    SessionClosed,
     spawn,
 )
 from asyncdist._elastic import ElasticState, guard, unguard
@@ -423,7 +424,7 @@ def test_a_scheduler_left_out_warns_once_and_other_optimizers_pass() -> None:
 def test_an_optimizer_check_comes_off_with_the_state() -> None:
     """The global step hook lives only while a state is guarded."""
     model = _model()
-    state = ElasticState({"model": model}, lambda: None, rank=lambda: 3)
+    state = ElasticState({"model": model}, lambda call: None, rank=lambda: 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0, 0)
     hooks = len(_optimizer._global_optimizer_pre_hooks)
@@ -516,6 +517,34 @@ def test_an_elastic_world_that_does_not_form_leaves_no_watcher_behind(
     assert [k for k in keys.list_keys() if k.startswith("dead/")], "its exit is written"
 
 
+def test_a_commit_after_the_session_closed_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state kept past its session: its commit cannot ask a coordinator
+    or end a world any more, so it is refused before it copies anything."""
+    import datetime
+
+    import torch.distributed as dist
+
+    limit = datetime.timedelta(seconds=5)
+    coordinator = dist.TCPStore("127.0.0.1", 0, None, True, limit, wait_for_workers=False)
+    monkeypatch.setenv("ASYNCDIST_COORDINATOR", f"127.0.0.1:{coordinator.port}")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model = _model()
+    with DistSession(elastic=True, timeout=5) as s:
+        state = s.elastic_state(model=model, step=0)
+        for world in s.elastic(state):
+            with world:
+                state.step += 1
+                state.commit()
+    commits, committed = state.commits, state.committed()
+    with pytest.raises(SessionClosed, match=r"commit\(\) on rank 0: the session is closed"):
+        state.commit()
+    with pytest.raises(SessionClosed, match=r"commit_async\(\) on rank 0: the session"):
+        anyio.run(state.commit_async)
+    assert state.commits == commits
+    assert state.committed()[1] is committed[1]  # nothing was copied
+
+
 def _closes_without_waiting(s: DistSession) -> dict[str, Any] | None:
     if s.rank == 1:
         time.sleep(2 * QUICK_CLOSE + 1)  # silent: rank 0's allreduce ends at its timeout
@@ -554,7 +583,7 @@ def test_elastic_calls_on_a_plain_session_say_it_is_not_elastic() -> None:
 
 def test_elastic_state_values_are_attributes_and_objects_are_restored_in_place() -> None:
     model = _model()
-    state = ElasticState({"model": model, "step": 3}, lambda: None)
+    state = ElasticState({"model": model, "step": 3}, lambda call: None)
     state.commit()
     state.step += 1
     with torch.no_grad():
@@ -567,7 +596,7 @@ def test_elastic_state_values_are_attributes_and_objects_are_restored_in_place()
     with pytest.raises(AttributeError, match="only the plain values"):
         state.epoch = 1
     with pytest.raises(TypeError, match="state_dict"):
-        ElasticState({"tensor": torch.ones(1)}, lambda: None)
+        ElasticState({"tensor": torch.ones(1)}, lambda call: None)
 
 
 @pytest.mark.parametrize(
@@ -583,13 +612,13 @@ def test_tensors_inside_a_plain_value_are_refused(item: Any) -> None:
     """A plain value is restored as a value: a state_dict given as one would
     be a separate copy, never loaded into the model."""
     with pytest.raises(TypeError, match="Pass the module or optimizer object itself"):
-        ElasticState({"weights": item()}, lambda: None)
+        ElasticState({"weights": item()}, lambda call: None)
 
 
 def test_a_class_is_refused_and_plain_nested_values_are_kept() -> None:
     with pytest.raises(TypeError, match="the class Linear, not an object of it"):
-        ElasticState({"model": torch.nn.Linear}, lambda: None)
-    state = ElasticState({"log": {"loss": [1.0, (2, "x")], "seen": {3}}}, lambda: None)
+        ElasticState({"model": torch.nn.Linear}, lambda call: None)
+    state = ElasticState({"log": {"loss": [1.0, (2, "x")], "seen": {3}}}, lambda call: None)
     assert state.log == {"loss": [1.0, (2, "x")], "seen": {3}}
 
 
