@@ -45,7 +45,7 @@ from ._handle import Handle, handle_of
 from ._op import Op
 from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
-from ._wakeup import IssuerKey, current_issuer, in_async_context, issuer_key, one_after_another
+from ._wakeup import IssuerKey, current_issuer, in_async_context, one_after_another, who_issues
 from ._wire import Route, Spec, device_type
 from .errors import CollectiveMismatch, CollectiveTimeout, Leaving, SessionBroken, SessionClosed
 
@@ -404,9 +404,11 @@ class Lane:
             CollectiveMismatch: another task issues while this one's are outstanding.
         """
         self._retire()
-        issuer = issuer_key()
+        issuer, named = who_issues()
         if issuer != self._issuer:
             self._switch_issuer(issuer, name)
+        elif named is not None:  # a helper of a family that shares its key
+            self._issuer_name = named
         self._issued += 1
         return Op(name, self.health, finish, self._notices, self._issued)
 

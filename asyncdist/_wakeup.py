@@ -174,9 +174,17 @@ def issuing_as(key: IssuerKey, name: str) -> Iterator[None]:
 def issuer_key() -> IssuerKey:
     """Who is issuing, cheaply: ``(thread, task)`` ids (task 0 outside any
     task), or the key ``issuing_as`` gave."""
+    return who_issues()[0]
+
+
+def who_issues() -> tuple[IssuerKey, str | None]:
+    """``issuer_key()``, with the name ``issuing_as`` gave it (``None`` for
+    a task or thread issuing as itself: ``current_issuer`` names it). Keys
+    that ``issuing_as`` gives may be shared by several helpers, each with
+    its own name."""
     override = _ISSUING_AS.get()
     if override is not None:
-        return override[0]
+        return override
     thread = threading.get_ident()
     # Asked on every launch, so not through ``sniffio.current_async_library``,
     # which in plain code raises twice to say "none" (about 1 µs): trio marks
@@ -185,11 +193,11 @@ def issuer_key() -> IssuerKey:
     if sniffio.thread_local.name == "trio":
         import trio
 
-        return (thread, id(trio.lowlevel.current_task()))
+        return (thread, id(trio.lowlevel.current_task())), None
     if _running_loop() is None:
-        return (thread, 0)
+        return (thread, 0), None
     task = asyncio.current_task()
-    return (thread, 0 if task is None else id(task))
+    return (thread, 0 if task is None else id(task)), None
 
 
 def one_after_another(last: IssuerKey, new: IssuerKey) -> bool:

@@ -895,6 +895,50 @@ def test_syncs_made_by_two_tasks_are_two_issuers_on_one_channel() -> None:
     _refused_once_on_rank_0(_spawn(_two_tasks_two_syncs, 2, "async", "asyncio"))
 
 
+async def _a_family_then_another_task(s: DistSession, how: str) -> tuple[list[str], str]:
+    """One task's two syncs launch in one backward (the later model's sync
+    first: backward runs from the loss), then another task's sync launches
+    while they are outstanding (rank 1 is a second late): refused on rank 0,
+    naming the sync of the family that launched last, which is outstanding
+    for certain (collectives on a lane finish in order)."""
+    launched = anyio.Event()
+    told: list[str] = []
+    last: list[str] = []
+
+    async def family() -> None:
+        first, second = _tower(0), _tower(1)
+        syncs = [s.gradient_sync(first), s.gradient_sync(second)]
+        last.append(syncs[0]._name)  # the name its messages use
+        if s.rank == 1:
+            await anyio.sleep(1.0)
+        second(first(torch.randn(4, 32))).sum().backward()
+        launched.set()
+        for sync in syncs:
+            await _wait(sync, how)
+
+    async def other() -> None:
+        model = BNNet()
+        sync = s.gradient_sync(model)
+        await launched.wait()
+        if s.rank == 0:
+            try:
+                _loss(model, 0, 1).backward()
+            except AsyncDistError as exc:
+                told.append(f"{type(exc).__name__}: {exc}")
+        sync.remove()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(family)
+        tg.start_soon(other)
+    return told, last[0]
+
+
+def test_a_refusal_names_the_sync_of_a_family_that_launched_last() -> None:
+    (told, first), (quiet, _) = _spawn(_a_family_then_another_task, 2, "async", "asyncio")
+    _refused_once_on_rank_0([told, quiet])
+    assert f"({first} still has a collective outstanding" in told[0], (first, told)
+
+
 async def _two_tasks_finish_one_family(s: DistSession, how: str) -> list[str]:
     """One task makes two syncs and runs one backward through both; then two
     tasks finish them at once (as ``asyncio.gather(sync_a, sync_b)`` does).
