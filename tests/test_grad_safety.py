@@ -848,23 +848,37 @@ def test_two_syncs_made_by_one_task_share_the_gradients_channel(how: str, patter
         assert all(same), [i for i, ok in enumerate(same) if not ok]
 
 
-async def _two_tasks_two_syncs(s: DistSession, how: str) -> list[str]:
+async def _two_tasks_two_syncs(
+    s: DistSession, how: str, family: bool = False
+) -> tuple[list[str], str]:
     """Each of two tasks makes its own sync on the one channel "gradients" and
     runs backward: rank 0's second task launches while the first task's
     collectives are outstanding (rank 1 is a second late), which the two
     ranks could interleave in different orders. Refused on rank 0 alone;
-    rank 1's second task never launches, so the first tasks still pair."""
+    rank 1's second task never launches, so the first tasks still pair.
+
+    With ``family``, the first task makes two syncs and runs one backward
+    through both (the later model's sync launches first: backward runs from
+    the loss); returned with what rank 0 was told, the name of the sync
+    that launched last, outstanding for certain (a lane's collectives
+    finish in order), which the refusal must name."""
     launched = anyio.Event()
     told: list[str] = []
+    last: list[str] = []
 
     async def first() -> None:
-        model = BNNet()
-        sync = s.gradient_sync(model)
+        models = [_tower(0), _tower(1)] if family else [BNNet()]
+        syncs = [s.gradient_sync(model) for model in models]
+        last.append(syncs[0]._name)  # the name its messages use
         if s.rank == 1:
             await anyio.sleep(1.0)
-        _loss(model, s.rank, 0).backward()
+        if family:
+            models[1](models[0](torch.randn(4, 32))).sum().backward()
+        else:
+            _loss(models[0], s.rank, 0).backward()
         launched.set()
-        await _wait(sync, how)
+        for sync in syncs:
+            await _wait(sync, how)
 
     async def second() -> None:
         model = BNNet()
@@ -880,7 +894,7 @@ async def _two_tasks_two_syncs(s: DistSession, how: str) -> list[str]:
     async with anyio.create_task_group() as tg:
         tg.start_soon(first)
         tg.start_soon(second)
-    return told
+    return told, last[0]
 
 
 def _refused_once_on_rank_0(ranks: list[list[str]]) -> None:
@@ -892,49 +906,12 @@ def _refused_once_on_rank_0(ranks: list[list[str]]) -> None:
 
 
 def test_syncs_made_by_two_tasks_are_two_issuers_on_one_channel() -> None:
-    _refused_once_on_rank_0(_spawn(_two_tasks_two_syncs, 2, "async", "asyncio"))
-
-
-async def _a_family_then_another_task(s: DistSession, how: str) -> tuple[list[str], str]:
-    """One task's two syncs launch in one backward (the later model's sync
-    first: backward runs from the loss), then another task's sync launches
-    while they are outstanding (rank 1 is a second late): refused on rank 0,
-    naming the sync of the family that launched last, which is outstanding
-    for certain (collectives on a lane finish in order)."""
-    launched = anyio.Event()
-    told: list[str] = []
-    last: list[str] = []
-
-    async def family() -> None:
-        first, second = _tower(0), _tower(1)
-        syncs = [s.gradient_sync(first), s.gradient_sync(second)]
-        last.append(syncs[0]._name)  # the name its messages use
-        if s.rank == 1:
-            await anyio.sleep(1.0)
-        second(first(torch.randn(4, 32))).sum().backward()
-        launched.set()
-        for sync in syncs:
-            await _wait(sync, how)
-
-    async def other() -> None:
-        model = BNNet()
-        sync = s.gradient_sync(model)
-        await launched.wait()
-        if s.rank == 0:
-            try:
-                _loss(model, 0, 1).backward()
-            except AsyncDistError as exc:
-                told.append(f"{type(exc).__name__}: {exc}")
-        sync.remove()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(family)
-        tg.start_soon(other)
-    return told, last[0]
+    ranks = _spawn(_two_tasks_two_syncs, 2, "async", "asyncio")
+    _refused_once_on_rank_0([told for told, _ in ranks])
 
 
 def test_a_refusal_names_the_sync_of_a_family_that_launched_last() -> None:
-    (told, first), (quiet, _) = _spawn(_a_family_then_another_task, 2, "async", "asyncio")
+    (told, first), (quiet, _) = _spawn(_two_tasks_two_syncs, 2, "async", "asyncio", True)
     _refused_once_on_rank_0([told, quiet])
     assert f"({first} still has a collective outstanding" in told[0], (first, told)
 
