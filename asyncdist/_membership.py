@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -393,11 +394,17 @@ class Coordinator:
             ) from exc
         return tuple(self.read(key) for key in keys)
 
-    def join(self, max_world_size: int | None = None) -> tuple[Decision, int]:
+    def join(
+        self,
+        max_world_size: int | None = None,
+        ask: Callable[[Callable[[], Any]], Any] = lambda call: call(),
+    ) -> tuple[Decision, int]:
         """Register as a joiner; the world that takes this process in, and
         this process's rank there, once one does. While the running world
         is full (``max_world_size``), this process is a spare: it waits
         with no deadline, as long as that world's members are alive.
+        ``ask(call)`` makes each round of questions to the store (a bound
+        on each: a spare's wait has none as a whole).
 
         Raises:
             MembershipLost: no world took it in within the timeout (while
@@ -405,36 +412,19 @@ class Coordinator:
                 (``why="finished"`` when each of them ended its session
                 normally: the training is over).
         """
-        number = int(self.store.add("joins", 1))
-        self.create(f"join/{number}", self.me)
+
+        def register() -> None:
+            self.create(f"join/{int(self.store.add('joins', 1))}", self.me)
+
+        ask(register)
         deadline = time.monotonic() + self.timeout + REFORM_GRACE
         beats: dict[str, tuple[int, float]] = {}
         while time.monotonic() < deadline:
-            self.store.add(f"hb/{self.me}", 1)  # until the watcher beats
-            generation = int(self.store.add("generation", 0))
-            key = f"gen/{generation}/world"
-            decided = _decoded(generation, self.read(key)) if self.has(key) else None
-            if generation > 0 and isinstance(decided, Decision) and self.me in decided.members:
-                return decided, decided.members.index(self.me)
-            members = self._members_of(generation, decided)
+            taken, members = ask(lambda: self._join_round(beats))
+            if taken is not None:
+                return taken, taken.members.index(self.me)
             if max_world_size is not None and len(members) >= max_world_size:
                 deadline = time.monotonic() + self.timeout + REFORM_GRACE  # a spare waits
-            if members and self._gone(members, beats, time.monotonic()) >= set(members):
-                if all(self._finished(m) for m in members):
-                    raise MembershipLost(
-                        f"this process ({self.me}) registered to join the elastic session, "
-                        f"but the session has finished: every member of its last world "
-                        f"({len(members)}) ended its session normally before a commit took "
-                        "this process in. There is nothing left to train",
-                        why="finished",
-                    )
-                raise MembershipLost(
-                    f"this process ({self.me}) registered to join the elastic session, but "
-                    f"every member of its last world ({len(members)}) is gone, and the "
-                    "committed state was only in their memory: nobody is left to take it "
-                    f"in.{_RESTARTED_TOGETHER if _restarted_by_torchrun() else ''}",
-                    why="too_few",
-                )
             time.sleep(POLL * 5)
         raise MembershipLost(
             f"this process ({self.me}) registered to join the elastic session, but no world "
@@ -443,6 +433,40 @@ class Coordinator:
             "they are running",
             why="timeout",
         )
+
+    def _join_round(
+        self, beats: dict[str, tuple[int, float]]
+    ) -> tuple[Decision | None, tuple[str, ...]]:
+        """One look of a joiner at the store: the world that took it in (if
+        one did), and the running world's members.
+
+        Raises:
+            MembershipLost: every member of the last world is gone.
+        """
+        self.store.add(f"hb/{self.me}", 1)  # until the watcher beats
+        generation = int(self.store.add("generation", 0))
+        key = f"gen/{generation}/world"
+        decided = _decoded(generation, self.read(key)) if self.has(key) else None
+        if generation > 0 and isinstance(decided, Decision) and self.me in decided.members:
+            return decided, decided.members
+        members = self._members_of(generation, decided)
+        if members and self._gone(members, beats, time.monotonic()) >= set(members):
+            if all(self._finished(m) for m in members):
+                raise MembershipLost(
+                    f"this process ({self.me}) registered to join the elastic session, "
+                    f"but the session has finished: every member of its last world "
+                    f"({len(members)}) ended its session normally before a commit took "
+                    "this process in. There is nothing left to train",
+                    why="finished",
+                )
+            raise MembershipLost(
+                f"this process ({self.me}) registered to join the elastic session, but "
+                f"every member of its last world ({len(members)}) is gone, and the "
+                "committed state was only in their memory: nobody is left to take it "
+                f"in.{_RESTARTED_TOGETHER if _restarted_by_torchrun() else ''}",
+                why="too_few",
+            )
+        return None, members
 
     def _members_of(
         self, generation: int, decided: Decision | MembershipLost | None
@@ -822,33 +846,64 @@ class Membership:
             )
         self._address, self._timeout = address, wanted.timeout
         self._loopback = is_loopback(address[0])
+        self._asking = _Requests(f"asyncdist-coordinator-{self.me}")  # a thread for the session
         try:
-            self._coordinator = Coordinator(
-                connect(address, wanted.timeout), self.me, wanted.timeout
-            )
-            if joins:
-                decision, rank = self.coordinator.join(self.max_world_size)
-                self.members, self.generation = decision.members, decision.generation
-                self.joined = decision
-            else:
-                self.members = self.coordinator.first_world(env.rank, env.world_size)
-                rank = env.rank
-        except MembershipLost:
+            rank = self._register(address, env.rank, env.world_size, joins)
+        except BaseException:
+            asking, self._asking = self._asking, None
+            asking.close(0.0)  # (a request held by a silent coordinator stays held, on its own)
             raise
-        except (RuntimeError, dist.DistError) as exc:
-            raise InitError(
-                f"rank {env.rank}: the elastic coordinator at {address[0]}:{address[1]} "
-                f"did not answer, or not every rank registered with it ({exc})"
-            ) from exc
         self._probe = self._open_probe(address)
         self._watcher = Watcher(address, self.me, wanted.timeout, on_end, self._probe)
         self._watcher.generation = self.generation
-        self._asking = _Requests(f"asyncdist-coordinator-{self.me}")  # a thread for the session
         try:
             return self.form(self.generation, rank, len(self.members))
         except BaseException:
             self.leave("raised")  # no session holds this yet: its beats stop here
             raise
+
+    def _register(self, address: tuple[str, int], rank: int, world_size: int, joins: bool) -> int:
+        """Register with the coordinator as launch rank ``rank`` of
+        ``world_size`` (or as a joiner), each round trip bounded; this
+        process's rank in the world it enters.
+
+        Raises:
+            InitError: the coordinator did not answer (within the timeout,
+                or with an error), or not every rank registered.
+            MembershipLost: as ``Coordinator.first_world`` and ``join``.
+        """
+        timeout, where = self._timeout, f"{address[0]}:{address[1]}"
+        who = f"joiner {self.me}" if joins else f"rank {rank}"
+        silent = (
+            f"{who}: the elastic coordinator at {where} did not answer within "
+            "{:g} s while this process entered the session: it is stopped, or cut off from "
+            "this process"
+        )
+
+        def ask(call: Callable[[], T], limit: float = timeout) -> T:
+            try:
+                return self._requests.answer(call, limit)
+            except _Silent:
+                raise InitError(silent.format(limit)) from None
+
+        try:
+            coordinator = Coordinator(connect(address, timeout), self.me, timeout)
+            self._coordinator = coordinator
+            if joins:
+                decision, rank = coordinator.join(self.max_world_size, ask)
+                self.members, self.generation = decision.members, decision.generation
+                self.joined = decision
+            else:  # waits for every launch rank to register: the timeout, and a grace
+                first = functools.partial(coordinator.first_world, rank, world_size)
+                self.members = ask(first, timeout + REFORM_GRACE)
+        except (MembershipLost, InitError):
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            raise InitError(
+                f"{who}: the elastic coordinator at {where} did not answer, or not every "
+                f"rank registered with it ({exc})"
+            ) from exc
+        return rank
 
     def _open_probe(self, toward: tuple[str, int]) -> Probe | None:
         """Listen on a probe port facing the coordinator and publish it; none

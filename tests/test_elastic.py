@@ -835,6 +835,45 @@ def test_a_coordinator_silent_at_a_commit_ends_the_world_within_the_timeout(
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("joins", "answers", "bound"),
+    [
+        (False, {}, 0.7),  # registering as a launch rank: the timeout and a grace
+        (True, {}, 0.5),  # registering as a joiner
+        (True, {"add": 1, "compare_set": b"me"}, 0.5),  # registered, then looking
+    ],
+)
+def test_a_coordinator_silent_while_a_process_enters_is_an_init_error(
+    monkeypatch: pytest.MonkeyPatch, joins: bool, answers: dict[str, Any], bound: float
+) -> None:
+    """Entering registers with the coordinator, and a joiner (a spare
+    without a deadline, too) keeps looking at it: a cut there held the
+    process in a read with no deadline. Each round trip is bounded now."""
+    from asyncdist import InitError, _membership
+
+    monkeypatch.setattr(_membership, "REFORM_GRACE", 0.2)
+    silent = _SilentCoordinator(answers)  # as the store itself
+    monkeypatch.setattr(_membership, "connect", lambda address, timeout: silent)
+    member = _membership.Membership(min_world_size=1, max_world_size=2)
+    member._timeout = 0.5
+    try:
+        started = time.monotonic()
+        with pytest.raises(InitError) as told:
+            member._register(("10.0.0.9", 4321), 1, 2, joins)
+        assert bound <= time.monotonic() - started < bound + 1.0
+        who = f"joiner {member.me}" if joins else "rank 1"
+        assert str(told.value) == (
+            f"{who}: the elastic coordinator at 10.0.0.9:4321 did not answer within {bound:g} "
+            "s while this process entered the session: it is stopped, or cut off from this "
+            "process"
+        )
+    finally:
+        silent.release.set()
+        member.leave("raised")  # and its requests' thread ends
+    assert not [t for t in threading.enumerate() if t.name.startswith("asyncdist-coordinator")]
+
+
+@pytest.mark.timeout(30)
 def test_a_coordinator_silent_when_rank_0_announces_the_new_world_is_lost() -> None:
     """The new world's rank 0 tells the joiners, on the coordinator: a cut
     there held it forever too, and an error there came out as torch's own."""
