@@ -395,9 +395,7 @@ class Coordinator:
         return tuple(self.read(key) for key in keys)
 
     def join(
-        self,
-        max_world_size: int | None = None,
-        ask: Callable[[Callable[[], Any]], Any] = lambda call: call(),
+        self, max_world_size: int | None, ask: Callable[[Callable[[], Any]], Any]
     ) -> tuple[Decision, int]:
         """Register as a joiner; the world that takes this process in, and
         this process's rank there, once one does. While the running world
@@ -874,17 +872,16 @@ class Membership:
         """
         timeout, where = self._timeout, f"{address[0]}:{address[1]}"
         who = f"joiner {self.me}" if joins else f"rank {rank}"
-        silent = (
-            f"{who}: the elastic coordinator at {where} did not answer within "
-            "{:g} s while this process entered the session: it is stopped, or cut off from "
-            "this process"
-        )
 
         def ask(call: Callable[[], T], limit: float = timeout) -> T:
             try:
                 return self._requests.answer(call, limit)
             except _Silent:
-                raise InitError(silent.format(limit)) from None
+                raise InitError(
+                    f"{who}: the elastic coordinator at {where} did not answer within "
+                    f"{limit:g} s while this process entered the session: it is stopped, "
+                    "or cut off from this process"
+                ) from None
 
         try:
             coordinator = Coordinator(connect(address, timeout), self.me, timeout)
