@@ -87,9 +87,9 @@ import os
 import socket
 import threading
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,7 @@ from ._store import forget, session_store
 from .errors import InitError
 
 logger = logging.getLogger("asyncdist")
+T = TypeVar("T")
 
 # How a lane holds its group: "world" (it initialised the default group and
 # destroys it, side groups included), "group" (a sub-group it destroys with
@@ -175,6 +176,116 @@ def gloo_on_loopback(active: bool) -> Iterator[None]:
                 del os.environ[_GLOO_IFNAME]
 
 
+# -- rendezvous, bounded ------------------------------------------------------------------
+
+# Seconds a rendezvous may run past its group's timeout before its caller
+# stops waiting: torch's own timeout fires within it whenever the store answers.
+RENDEZVOUS_GRACE = 5.0
+# What each rendezvous given up on was forming, while it still runs: no group
+# forms in this process meanwhile (``refuse_while_held``).
+_held: dict[int, str] = {}
+_tickets = itertools.count()
+
+
+def rendezvous(
+    call: Callable[[], T],
+    what: str,
+    timeout: float,
+    *,
+    late: Callable[[T], object] | None = None,
+) -> T:
+    """``call()`` (``what``: a group's forming, which waits on the rendezvous
+    store), made on a daemon thread of its own and waited for ``timeout``
+    plus ``RENDEZVOUS_GRACE`` seconds.
+
+    torch's store client never gives up on a server that stopped answering
+    while connected (a stopped process, a frozen host, a link cut after
+    connecting): a wait that times out then waits, with no bound, to cancel
+    itself, so torch's timeout does not end the forming (measured: still
+    waiting at 40 s with a 3 s timeout). Here the thread held is this one,
+    never the caller's. Until it returns, no group forms in this process:
+    it would do so beside torch state that the held forming may yet write.
+    If it does return, what it formed is handed to ``late`` (which destroys
+    it) and the process may form groups again.
+
+    Raises:
+        TimeoutError: no answer within the bound.
+        BaseException: what ``call()`` raised.
+    """
+    limit = timeout + RENDEZVOUS_GRACE
+    lock, done = threading.Lock(), threading.Event()
+    outcome: list[tuple[bool, Any]] = []
+    gave_up: list[int] = []  # the caller's ticket in ``_held``, once it stopped waiting
+
+    def run() -> None:
+        try:
+            made: tuple[bool, Any] = (True, call())
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            made = (False, exc)
+        with lock:
+            if not gave_up:
+                outcome.append(made)
+                done.set()
+                return
+        try:
+            if made[0] and late is not None:
+                late(made[1])
+        except Exception as exc:  # noqa: BLE001 - nobody is waiting for it any more
+            logger.debug("%s, formed after its caller gave up: %s", what, exc)
+        finally:
+            _held.pop(gave_up[0], None)
+            logger.info("asyncdist: %s ended, after its caller gave up on it", what)
+
+    threading.Thread(target=run, name="asyncdist-rendezvous", daemon=True).start()
+    try:
+        done.wait(limit)
+    finally:  # at the bound, or interrupted (KeyboardInterrupt)
+        with lock:
+            if not outcome:
+                ticket = next(_tickets)
+                _held[ticket] = what
+                gave_up.append(ticket)
+    if gave_up:
+        raise TimeoutError(
+            f"{what}: the rendezvous store did not answer within {limit:g} s; its host is "
+            "stopped or frozen, or cut off from this process"
+        )
+    answered, value = outcome[0]
+    if not answered:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def refuse_while_held() -> None:
+    """Refuse to form a group while a rendezvous given up on still runs.
+
+    Raises:
+        InitError: one does.
+    """
+    held = list(_held.values())  # (one call: a held one may end meanwhile)
+    if held:
+        what = held[0]
+        raise InitError(
+            f"this process gave up on {what}: its rendezvous store stopped answering, and "
+            "torch still waits on it. No group can form beside it until that store "
+            "answers again or closes; start a fresh process"
+        )
+
+
+def _drop_late_world(_: object) -> None:
+    """Destroy a default group whose forming was given up on (``rendezvous``'s
+    ``late``): nothing else formed meanwhile (``refuse_while_held``)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _drop_late_group(group: Any) -> None:
+    """Destroy a sub-group whose forming was given up on: torch registered it,
+    even if the default group it was formed over is gone by now, and a group
+    left registered would shift the names of the next session's groups."""
+    dist.destroy_process_group(group)
+
+
 # -- the world -----------------------------------------------------------------------------
 
 
@@ -206,16 +317,22 @@ def form_world(
     owns (None with an ``init_method``).
 
     Raises:
-        InitError: the group did not form (the ranks, the master, the timeout).
+        InitError: the group did not form (the ranks, the master, the timeout,
+            a silent store: ``rendezvous``), or a forming given up on still runs.
     """
-    store: dist.Store | None = None
-    owned: dist.Store | None = None
-    fresh = False
+    refuse_while_held()
     name_groups_afresh()
-    try:
+    fresh: list[bool] = []  # whether the forming created the kept store (see ``forget``)
+
+    def form() -> dist.Store | None:
+        store: dist.Store | None = None
+        owned: dist.Store | None = None
         if init_method is None:
-            store, owned, fresh = session_store(env, timeout)
-        with gloo_on_loopback(loopback and "gloo" in backend):
+            store, owned, created = session_store(env, timeout)
+            fresh.append(created)
+        if device.type == "cuda":  # the current device is the calling thread's
+            torch.cuda.set_device(device)
+        try:
             dist.init_process_group(
                 backend,
                 init_method=init_method,
@@ -225,14 +342,26 @@ def form_world(
                 timeout=datetime.timedelta(seconds=timeout),
                 device_id=device if "nccl" in backend else None,
             )
+        except BaseException:
+            if fresh and fresh[0]:
+                store = owned = None
+                forget(env)  # release the port this failed session bound
+            raise
         return owned
+
+    def late(owned: dist.Store | None) -> None:  # formed after its caller gave up
+        _drop_late_world(owned)
+        if fresh and fresh[0]:
+            forget(env)
+
+    what = f"rank {env.rank}'s forming of the default group"
+    try:
+        with gloo_on_loopback(loopback and "gloo" in backend):
+            return rendezvous(form, what, timeout, late=late)
     except InitError:
         raise
     except (RuntimeError, OSError, ValueError) as exc:
-        if fresh:
-            store = owned = None
-            forget(env)  # release the port this failed session bound...
-            traceback.clear_frames(exc.__traceback__)  # ...which torch's frames hold
+        traceback.clear_frames(exc.__traceback__)  # torch's frames hold the store's port
         where = init_method or f"{env.master_addr}:{env.master_port or '(local)'}"
         raise InitError(
             f"rank {env.rank} of {env.world_size} could not form a {backend} group via "
@@ -257,16 +386,22 @@ def form_generation(
 
     Raises:
         RuntimeError: a member did not join in time.
+        TimeoutError: the store did not answer (``rendezvous``).
+        InitError: a forming given up on still runs in this process.
     """
+    refuse_while_held()
     name_groups_afresh()
+    form = functools.partial(
+        dist.init_process_group,
+        "gloo",
+        store=dist.PrefixStore(f"pg/{generation}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    what = f"rank {rank}'s forming of world {generation}"
     with gloo_on_loopback(loopback):
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(f"pg/{generation}", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        rendezvous(form, what, timeout, late=_drop_late_world)
     return World(rank, world_size, 0, "gloo", torch.device("cpu"), "world", loopback=loopback)
 
 
@@ -430,6 +565,8 @@ class SideGroup:
 
         Raises:
             RuntimeError: a member did not join in time.
+            TimeoutError: the store did not answer (``rendezvous``).
+            InitError: a forming given up on still runs in this process.
         """
         gloo = dist.ProcessGroupGloo
         devices = self._devices
@@ -444,7 +581,10 @@ class SideGroup:
         options._threads = 1  # its exchanges run one at a time, on one thread
         options._timeout = datetime.timedelta(seconds=self._timeout)
         store = dist.PrefixStore(self._prefix, distributed_c10d._get_default_store())
-        self._group = gloo(store, self._rank, self._world_size, options)
+        refuse_while_held()
+        form = functools.partial(gloo, store, self._rank, self._world_size, options)
+        # (one formed late is dropped: nothing holds it)
+        self._group = rendezvous(form, f"the {self.kind} side group's forming", self._timeout)
 
     def group(self) -> Any:
         """The formed ``ProcessGroupGloo``.
@@ -516,14 +656,20 @@ def form_blocks(
 
     Raises:
         RuntimeError: a peer did not join in time.
+        TimeoutError: the store did not answer (``rendezvous``).
+        InitError: a forming given up on still runs in this process.
     """
     own: Any = None
+    refuse_while_held()
     with gloo_on_loopback(loopback):
         for block in range(len(ranks) // group_size):
-            group = dist.new_group(
+            form = functools.partial(
+                dist.new_group,
                 list(ranks[block * group_size : (block + 1) * group_size]),
                 timeout=datetime.timedelta(seconds=timeout),
             )
+            what = f"the forming of the group of block {block} of {group_size} ranks"
+            group = rendezvous(form, what, timeout, late=_drop_late_group)
             if block == mine:
                 own = group
     return own
@@ -539,13 +685,18 @@ def form_channel(ranks: Sequence[int], *, timeout: float, loopback: bool) -> Any
 
     Raises:
         RuntimeError: a peer did not join in time.
+        TimeoutError: the store did not answer (``rendezvous``).
+        InitError: a forming given up on still runs in this process.
     """
+    refuse_while_held()
+    form = functools.partial(
+        dist.new_group,
+        list(ranks),
+        timeout=datetime.timedelta(seconds=timeout),
+        use_local_synchronization=len(ranks) != dist.get_world_size(),
+    )
     with gloo_on_loopback(loopback):
-        return dist.new_group(
-            list(ranks),
-            timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=len(ranks) != dist.get_world_size(),
-        )
+        return rendezvous(form, "a channel's forming", timeout, late=_drop_late_group)
 
 
 def destroy(owns: Ownership, group: Any, side: Iterable[SideGroup]) -> None:

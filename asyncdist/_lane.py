@@ -179,6 +179,8 @@ class Lane:
 
         Raises:
             RuntimeError: a peer did not join in time.
+            TimeoutError: the store did not answer (``_groups.rendezvous``).
+            InitError: a rendezvous given up on still runs in this process.
         """
         for side in self._side.values():
             side.form()
@@ -202,7 +204,7 @@ class Lane:
                 timeout=self.timeout,
                 loopback=self.loopback and self.uses_gloo,
             )
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:  # (a silent store: ``rendezvous``)
             raise self.health.fail(exc, op="split") from exc
         first = ranks[mine * group_size]
         label = f"the sub-session of ranks {first}..{first + group_size - 1}"
@@ -229,7 +231,7 @@ class Lane:
                 timeout=self.timeout,
                 loopback=self.loopback and self.uses_gloo,
             )
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:  # (a silent store: ``rendezvous``)
             raise self.health.fail(exc, op="channel") from exc
         label = f"channel {name!r}"
         notices = None
@@ -259,7 +261,7 @@ class Lane:
         self._children.append(child)
         try:
             child.form_side_groups()
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             child.close()
             raise self.health.fail(exc, op=op) from exc
         return child

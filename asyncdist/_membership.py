@@ -922,7 +922,9 @@ class Membership:
         """World ``generation``'s default group (``_groups.World``).
 
         Raises:
-            InitError: a member did not join within the timeout.
+            InitError: a member did not join within the timeout, or the
+                coordinator did not answer the rendezvous (within the timeout
+                and ``_groups.RENDEZVOUS_GRACE``).
         """
         try:
             return form_generation(
@@ -933,6 +935,13 @@ class Membership:
                 timeout=self._timeout,
                 loopback=self._loopback,
             )
+        except TimeoutError as exc:  # (``_groups.rendezvous``)
+            host, port = self._address or ("?", 0)
+            raise InitError(
+                f"rank {rank} of {world_size}: world {generation} of the elastic session did "
+                f"not form: the elastic coordinator at {host}:{port} did not answer its rendezvous "
+                f"({exc})"
+            ) from exc
         except (RuntimeError, OSError, ValueError) as exc:
             raise InitError(
                 f"rank {rank} of {world_size}: world {generation} of the elastic session did "

@@ -90,7 +90,8 @@ class DistSession(Collectives):
         master_addr: the rendezvous host; overrides ``MASTER_ADDR``.
         master_port: the rendezvous port; overrides ``MASTER_PORT``.
         timeout: seconds (or a ``timedelta``) that bound forming the group and
-            every collective; default 1800, as in torch.
+            every collective; default 1800, as in torch. A rendezvous store
+            that stops answering is given up on 5 s after it.
         device: the device collectives run on; default CUDA ``LOCAL_RANK`` when
             CUDA is available, else CPU.
         debug: check before each collective that all ranks issue the same op
@@ -784,9 +785,10 @@ class DistSession(Collectives):
                 self._channels.reform(decision.channels, lane.channel)
                 regenerate(self._syncs)
                 restored = self._share_state(state)
-            except RuntimeError as exc:
+            except (RuntimeError, TimeoutError) as exc:
                 # a member failed while this world formed (a raw backend error
-                # from forming its side groups, or a translated one): once more
+                # from forming its side groups, the coordinator silent there,
+                # or a translated one): once more
                 if isinstance(exc, AsyncDistError) and not self._ends_world(exc):
                     raise
                 error = exc

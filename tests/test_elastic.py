@@ -873,6 +873,48 @@ def test_a_coordinator_silent_while_a_process_enters_is_an_init_error(
     assert not [t for t in threading.enumerate() if t.name.startswith("asyncdist-coordinator")]
 
 
+@pytest.mark.timeout(60)
+def test_a_coordinator_frozen_while_a_world_forms_is_an_init_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A world's default group forms over the coordinator's store; its host
+    freezing there held the forming forever (torch's client never gives up
+    on a connected store that stopped answering, whatever its timeout). It is
+    given up on at the timeout plus the grace now, and ends once the store
+    closes."""
+    import datetime
+    import types
+
+    import torch.distributed as dist
+    from _store_host import store_host
+
+    from asyncdist import InitError, _groups
+
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
+    with store_host() as host:
+        limit = datetime.timedelta(seconds=5)
+        client = dist.TCPStore("127.0.0.1", host.port, None, False, limit)
+        member = _silent_member(_SilentCoordinator(), 1.0)
+        member._coordinator = types.SimpleNamespace(store=client)  # what forming asks of it
+        host.stop()
+        started = time.monotonic()
+        with pytest.raises(InitError) as told:
+            member.form(3, 0, 2)
+        assert 1.5 <= time.monotonic() - started < 1.5 + 2.0
+        assert str(told.value).startswith(
+            "rank 0 of 2: world 3 of the elastic session did not form: the elastic "
+            "coordinator at 10.0.0.9:4321 did not answer its rendezvous (rank 0's forming "
+            "of world 3: the rendezvous store did not answer within 1.5 s"
+        ), told.value
+        assert not dist.is_initialized()
+        host.kill()
+        deadline = time.monotonic() + 10
+        while _groups._held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _groups._held
+        del client
+
+
 @pytest.mark.timeout(30)
 def test_a_coordinator_silent_when_rank_0_announces_the_new_world_is_lost() -> None:
     """The new world's rank 0 tells the joiners, on the coordinator: a cut

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _ports import free_port
+from _store_host import store_host
 
 from asyncdist import (
     AsyncDistError,
@@ -38,6 +39,7 @@ from asyncdist import (
     InitError,
     PeerFailure,
     SessionBroken,
+    _groups,
     spawn,
 )
 from asyncdist._env import bind_loopback
@@ -238,6 +240,46 @@ def test_master_port_already_taken() -> None:
             session.__enter__()
     finally:
         taken.close()
+
+
+def _until_no_forming_is_held(limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while _groups._held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _groups._held, _groups._held
+
+
+@pytest.mark.timeout(60)
+def test_a_master_frozen_at_entry_is_an_init_error_and_holds_no_later_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The master's host freezes (SIGSTOP: it still accepts connections, and
+    answers nothing): torch's store client then waits forever, whatever its
+    timeout. Entry gives up at the timeout plus the grace, and while that
+    forming is still held, no other session of this process forms beside
+    it; once the store closes, the held forming ends and sessions form again."""
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
+    with store_host() as host:
+        host.stop()
+        t0 = time.monotonic()
+        session = DistSession(rank=1, world_size=2, master_port=host.port, timeout=1)
+        with pytest.raises(InitError) as told:
+            session.__enter__()
+        elapsed = time.monotonic() - t0
+        print(f"measured: frozen master -> InitError after {elapsed:.2f} s")
+        assert 1.5 <= elapsed < 1.5 + 2.0
+        assert str(told.value).startswith(
+            f"rank 1 of 2 could not form a gloo group via 127.0.0.1:{host.port} within 1 s "
+            "(rank 1's forming of the default group: the rendezvous store did not answer "
+            "within 1.5 s; its host is stopped or frozen, or cut off from this process)"
+        ), told.value
+        assert not dist.is_initialized()
+        with pytest.raises(InitError, match="this process gave up on rank 1's forming of the"):
+            DistSession(rank=0, world_size=1, timeout=1).__enter__()
+        host.kill()
+    _until_no_forming_is_held()
+    with DistSession(rank=0, world_size=1, timeout=5) as s:
+        assert s.allreduce(torch.ones(1)).wait().item() == 1.0
 
 
 def _rank_sum(s: DistSession) -> float:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from asyncdist import DistSession, SessionClosed, spawn
+from asyncdist import DistSession, InitError, SessionClosed, _groups, spawn
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -83,3 +85,74 @@ def _released_with_parent(s: DistSession) -> tuple[bool, bool]:
 
 def test_sub_sessions_are_released_with_their_parent() -> None:
     assert spawn(_released_with_parent, 2, timeout=20) == [(True, True)] * 2
+
+
+# -- a rendezvous given up on ------------------------------------------------------------
+
+
+def _until_released(limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while _groups._held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _groups._held, _groups._held
+
+
+@pytest.mark.timeout(30)
+def test_a_rendezvous_given_up_on_refuses_every_forming_until_it_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a silent store leaves: the forming thread, held. Its caller
+    stops waiting at the timeout plus the grace; until the held forming
+    returns, nothing forms in this process (it may yet write torch's group
+    state); what it formed late goes to ``late``, and forming works again."""
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.2)
+    release, dropped = threading.Event(), []
+
+    def held() -> str:
+        release.wait(10)
+        return "a group formed late"
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as told:
+        _groups.rendezvous(held, "the test's forming", 0.3, late=dropped.append)
+    assert 0.5 <= time.monotonic() - started < 1.5
+    assert str(told.value) == (
+        "the test's forming: the rendezvous store did not answer within 0.5 s; its host is "
+        "stopped or frozen, or cut off from this process"
+    )
+    refused = "this process gave up on the test's forming: its rendezvous store stopped"
+    with pytest.raises(InitError, match=refused):
+        DistSession(rank=0, world_size=1, timeout=5).__enter__()
+    assert not dist.is_initialized()
+    release.set()
+    _until_released()
+    assert dropped == ["a group formed late"]
+    with DistSession(rank=0, world_size=1, timeout=5) as s:  # forming works again
+        assert s.allreduce(torch.ones(1)).wait().item() == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_a_rendezvous_answered_in_time_gives_its_result_or_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.2)
+    assert _groups.rendezvous(lambda: 7, "a forming", 1.0) == 7
+
+    def refused() -> None:
+        raise RuntimeError("a member did not join")
+
+    with pytest.raises(RuntimeError, match="a member did not join"):
+        _groups.rendezvous(refused, "a forming", 1.0)
+    # one that fails after its caller gave up hands nothing to ``late``
+    release, dropped = threading.Event(), []
+
+    def fails_late() -> None:
+        release.wait(10)
+        raise RuntimeError("the store closed")
+
+    with pytest.raises(TimeoutError):
+        _groups.rendezvous(fails_late, "a forming", 0.1, late=dropped.append)
+    release.set()
+    _until_released()
+    assert dropped == []
+    _groups.refuse_while_held()  # nothing held: no error
