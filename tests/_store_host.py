@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -63,3 +64,13 @@ def store_host() -> Iterator[StoreHost]:
         for pipe in (process.stdin, process.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def until_no_forming_is_held(limit: float = 10.0) -> None:
+    """Wait until no forming given up on still runs (``_groups.rendezvous``)."""
+    from asyncdist import _groups
+
+    deadline = time.monotonic() + limit
+    while _groups._held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _groups._held, _groups._held

@@ -886,7 +886,7 @@ def test_a_coordinator_frozen_while_a_world_forms_is_an_init_error(
     import types
 
     import torch.distributed as dist
-    from _store_host import store_host
+    from _store_host import store_host, until_no_forming_is_held
 
     from asyncdist import InitError, _groups
 
@@ -908,10 +908,7 @@ def test_a_coordinator_frozen_while_a_world_forms_is_an_init_error(
         ), told.value
         assert not dist.is_initialized()
         host.kill()
-        deadline = time.monotonic() + 10
-        while _groups._held and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _groups._held
+        until_no_forming_is_held()
         del client
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _ports import free_port
-from _store_host import store_host
+from _store_host import store_host, until_no_forming_is_held
 
 from asyncdist import (
     AsyncDistError,
@@ -242,13 +242,6 @@ def test_master_port_already_taken() -> None:
         taken.close()
 
 
-def _until_no_forming_is_held(limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit
-    while _groups._held and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _groups._held, _groups._held
-
-
 @pytest.mark.timeout(60)
 def test_a_master_frozen_at_entry_is_an_init_error_and_holds_no_later_session(
     monkeypatch: pytest.MonkeyPatch,
@@ -277,7 +270,7 @@ def test_a_master_frozen_at_entry_is_an_init_error_and_holds_no_later_session(
         with pytest.raises(InitError, match="this process gave up on rank 1's forming of the"):
             DistSession(rank=0, world_size=1, timeout=1).__enter__()
         host.kill()
-    _until_no_forming_is_held()
+    until_no_forming_is_held()
     with DistSession(rank=0, world_size=1, timeout=5) as s:
         assert s.allreduce(torch.ones(1)).wait().item() == 1.0
 

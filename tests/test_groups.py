@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _store_host import until_no_forming_is_held
 
 from asyncdist import DistSession, InitError, SessionClosed, _groups, spawn
 
@@ -90,13 +91,6 @@ def test_sub_sessions_are_released_with_their_parent() -> None:
 # -- a rendezvous given up on ------------------------------------------------------------
 
 
-def _until_released(limit: float = 5.0) -> None:
-    deadline = time.monotonic() + limit
-    while _groups._held and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _groups._held, _groups._held
-
-
 @pytest.mark.timeout(30)
 def test_a_rendezvous_given_up_on_refuses_every_forming_until_it_ends(
     monkeypatch: pytest.MonkeyPatch,
@@ -125,7 +119,7 @@ def test_a_rendezvous_given_up_on_refuses_every_forming_until_it_ends(
         DistSession(rank=0, world_size=1, timeout=5).__enter__()
     assert not dist.is_initialized()
     release.set()
-    _until_released()
+    until_no_forming_is_held()
     assert dropped == ["a group formed late"]
     with DistSession(rank=0, world_size=1, timeout=5) as s:  # forming works again
         assert s.allreduce(torch.ones(1)).wait().item() == 1.0
@@ -153,6 +147,6 @@ def test_a_rendezvous_answered_in_time_gives_its_result_or_its_error(
     with pytest.raises(TimeoutError):
         _groups.rendezvous(fails_late, "a forming", 0.1, late=dropped.append)
     release.set()
-    _until_released()
+    until_no_forming_is_held()
     assert dropped == []
     _groups.refuse_while_held()  # nothing held: no error
