@@ -292,3 +292,39 @@ def test_a_channel_asked_for_by_two_tasks_at_once_forms_once(backend: str) -> No
         _one_channel_asked_for_twice, 2, timeout=10, async_backend=backend, join_timeout=60
     )
     assert results == [(True, [4.0, 4.0])] * 2
+
+
+def test_a_channel_over_a_frozen_store_is_a_collective_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A channel forms over the session's store: that store's host freezing
+    there held the forming forever. It is a CollectiveTimeout at the timeout
+    plus the grace now (a world of one on a launcher agent's store, which a
+    child process hosts)."""
+    from _store_host import store_host, until_no_forming_is_held
+
+    from asyncdist import CollectiveTimeout, _groups
+    from asyncdist._store import forget_address
+
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
+    with store_host() as host:
+        for name, value in {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(host.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }.items():
+            monkeypatch.setenv(name, value)
+        with DistSession(timeout=1) as s:
+            host.stop()
+            started = time.monotonic()
+            with pytest.raises(CollectiveTimeout) as told:
+                s.channel("frozen")
+            assert 1.5 <= time.monotonic() - started < 1.5 + 2.0
+            assert "a channel's forming: the rendezvous store did not answer within 1.5 s" in (
+                str(told.value.__cause__)
+            )
+            host.kill()  # (the session's exit then finds its store closed)
+        until_no_forming_is_held()
+        forget_address("127.0.0.1", host.port)  # the store this process kept for it
