@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
+
 _HOST = """
 import datetime, sys, time
 import torch.distributed as dist
@@ -74,3 +76,18 @@ def until_no_forming_is_held(limit: float = 10.0) -> None:
     while _groups._held and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not _groups._held, _groups._held
+
+
+def one_rank_on(host: StoreHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set the environment of a world of one whose store is ``host``'s, as a
+    launcher agent's store is (``TORCHELASTIC_USE_AGENT_STORE``): a
+    ``DistSession()`` entered next connects to it as a client, so stopping
+    the host freezes every later forming of that session."""
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(host.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }.items():
+        monkeypatch.setenv(name, value)

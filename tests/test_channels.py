@@ -301,21 +301,14 @@ def test_a_channel_over_a_frozen_store_is_a_collective_timeout(
     there held the forming forever. It is a CollectiveTimeout at the timeout
     plus the grace now (a world of one on a launcher agent's store, which a
     child process hosts)."""
-    from _store_host import store_host, until_no_forming_is_held
+    from _store_host import one_rank_on, store_host, until_no_forming_is_held
 
     from asyncdist import CollectiveTimeout, _groups
     from asyncdist._store import forget_address
 
     monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
     with store_host() as host:
-        for name, value in {
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(host.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }.items():
-            monkeypatch.setenv(name, value)
+        one_rank_on(host, monkeypatch)
         with DistSession(timeout=1) as s:
             host.stop()
             started = time.monotonic()

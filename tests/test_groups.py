@@ -150,3 +150,66 @@ def test_a_rendezvous_answered_in_time_gives_its_result_or_its_error(
     until_no_forming_is_held()
     assert dropped == []
     _groups.refuse_while_held()  # nothing held: no error
+
+
+# -- split over a frozen store -------------------------------------------------------------
+
+
+def _frozen_split(
+    host: Any, monkeypatch: pytest.MonkeyPatch, what: str
+) -> tuple[float, BaseException]:
+    """Split a world of one on ``host``'s store once that host froze; the
+    seconds the split took and its error (the session is left broken)."""
+    from _store_host import one_rank_on
+
+    from asyncdist import CollectiveTimeout, SessionBroken
+
+    one_rank_on(host, monkeypatch)
+    with DistSession(timeout=1) as s:
+        if what == "blocks":
+            host.stop()
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as told:
+            s.split(1)
+        elapsed = time.monotonic() - started
+        with pytest.raises(SessionBroken):  # the whole session is, not the split alone
+            s.allreduce(torch.ones(1))
+        host.kill()  # (the session's exit then finds its store closed)
+    return elapsed, told.value
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("what", ["blocks", "side group"])
+def test_a_split_over_a_frozen_store_is_a_collective_timeout(
+    monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """``split`` forms its blocks' groups, then the sub-session's objects side
+    group, over the session's store: that store's host freezing at either
+    held the split forever. It is a CollectiveTimeout at the timeout plus
+    the grace now (a world of one on a launcher agent's store)."""
+    from _store_host import store_host
+
+    from asyncdist._store import forget_address
+
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
+    with store_host() as host:
+        if what == "side group":  # the blocks form, then the host freezes
+            form_blocks = _groups.form_blocks
+
+            def then_freeze(*args: Any, **kwargs: Any) -> Any:
+                group = form_blocks(*args, **kwargs)
+                host.stop()
+                return group
+
+            monkeypatch.setattr(_groups, "form_blocks", then_freeze)
+        elapsed, error = _frozen_split(host, monkeypatch, what)
+        until_no_forming_is_held()
+        forget_address("127.0.0.1", host.port)  # the store this process kept for it
+    assert 1.5 <= elapsed < 1.5 + 2.0
+    forming = {
+        "blocks": "the forming of the group of block 0 of 1 ranks",
+        "side group": "the objects side group's forming",
+    }[what]
+    told = f"{forming}: the rendezvous store did not answer within 1.5 s"
+    assert told in str(error.__cause__), error
+    assert not dist.is_initialized()
