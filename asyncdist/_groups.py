@@ -178,8 +178,9 @@ def gloo_on_loopback(active: bool) -> Iterator[None]:
 
 # -- rendezvous, bounded ------------------------------------------------------------------
 
-# Seconds a rendezvous may run past its group's timeout before its caller
-# stops waiting: torch's own timeout fires within it whenever the store answers.
+# Seconds a rendezvous may run past the longest its forming may take (its
+# ``timeout``: the sum of its phases' timeouts) before its caller stops
+# waiting: torch's own timeouts fire within it whenever the store answers.
 RENDEZVOUS_GRACE = 5.0
 # What each rendezvous given up on was forming, while it still runs: no group
 # forms in this process meanwhile (``refuse_while_held``).
@@ -227,6 +228,8 @@ def rendezvous(
                 outcome.append(made)
                 done.set()
                 return
+        if not made[0]:  # nobody raises it: let go of torch's frames (the store, its port)
+            traceback.clear_frames(made[1].__traceback__)
         try:
             if made[0] and late is not None:
                 late(made[1])
@@ -355,9 +358,12 @@ def form_world(
             forget(env)
 
     what = f"rank {env.rank}'s forming of the default group"
+    # each phase waits up to the timeout on its own: reaching the master,
+    # agreeing a generation on an agent's store, init_process_group
+    phases = 1 if init_method is not None else (3 if env.agent_store else 2)
     try:
         with gloo_on_loopback(loopback and "gloo" in backend):
-            return rendezvous(form, what, timeout, late=late)
+            return rendezvous(form, what, phases * timeout, late=late)
     except InitError:
         raise
     except (RuntimeError, OSError, ValueError) as exc:

@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from ._coordinator import ROOT, start_sidecar
 from ._env import detect, is_loopback
-from ._groups import form_generation
+from ._groups import form_generation, refuse_while_held
 from ._reach import PROBE_TIMEOUT, Probe, connected, reachable
 from .errors import InitError, MembershipChanged, MembershipLost
 
@@ -792,6 +792,7 @@ class Membership:
             InitError: no coordinator, or world 0 did not form.
             ValueError: the launch started more ranks than ``max_world_size``.
         """
+        refuse_while_held()  # before the coordinator counts this rank in world 0
         address = coordinator_address()
         joins = joining()
         hosts = False  # a SLURM step's task 0 hosts the coordinator

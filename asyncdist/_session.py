@@ -825,6 +825,9 @@ class DistSession(Collectives):
         # peer of a world of two) writes into the tensors it was given.
         release = old.close(defer=True)
         try:
+            # refused before this rank is counted in the next world, which
+            # its peers would then wait for until their timeout
+            _groups.refuse_while_held()
             decision = membership.reform(reason, old.rank, state.commits, names)
             self._stalls(decision, error)
             rank = decision.members.index(membership.me)

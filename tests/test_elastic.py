@@ -1775,3 +1775,31 @@ def test_under_torchrun_on_one_node_the_restarted_workers_are_told_nobody_holds_
         assert "asyncdist.spawn(fn, n, elastic=True)" in record["message"]
         # told once the dead workers' heartbeats stood still for the timeout (4 s)
         assert record["elapsed"] < 4 + REFORM_GRACE + 10
+
+
+@pytest.mark.timeout(30)
+def test_an_elastic_entry_is_refused_while_a_forming_is_held_before_it_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that gave up on a forming refuses to enter an elastic
+    session before the coordinator counts it in world 0 (its peers would
+    otherwise wait for it until their timeout)."""
+    import threading
+
+    from _store_host import until_no_forming_is_held
+
+    from asyncdist import InitError, _groups, _membership
+
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.1)
+    release = threading.Event()
+    with pytest.raises(TimeoutError):
+        _groups.rendezvous(lambda: release.wait(10), "the test's forming", 0.1)
+    asked: list[object] = []
+    monkeypatch.setattr(_membership, "coordinator_address", lambda: asked.append(1))
+    try:
+        with pytest.raises(InitError, match="this process gave up on the test's forming"):
+            DistSession(elastic=True, rank=0, world_size=1, timeout=2).__enter__()
+        assert asked == []  # refused before anything asked for the coordinator
+    finally:
+        release.set()
+        until_no_forming_is_held()
