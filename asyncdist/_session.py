@@ -90,8 +90,10 @@ class DistSession(Collectives):
         master_addr: the rendezvous host; overrides ``MASTER_ADDR``.
         master_port: the rendezvous port; overrides ``MASTER_PORT``.
         timeout: seconds (or a ``timedelta``) that bound forming the group and
-            every collective; default 1800, as in torch. A rendezvous store
-            that stops answering is given up on 5 s after it.
+            every collective; default 1800, as in torch. Entering waits up to
+            it at each step (reaching the master, forming the group). A
+            rendezvous store that stops answering is given up on 5 s after
+            those steps' timeouts.
         device: the device collectives run on; default CUDA ``LOCAL_RANK`` when
             CUDA is available, else CPU.
         debug: check before each collective that all ranks issue the same op
