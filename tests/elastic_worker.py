@@ -27,8 +27,11 @@ STEPS = 80
 
 
 def _write(folder: str, name: str, data: Any) -> None:
-    with open(os.path.join(folder, name), "w") as file:
+    """Whole or not at all: the test polls for the name, then reads it."""
+    path = os.path.join(folder, name)
+    with open(path + ".tmp", "w") as file:
         json.dump(data, file)
+    os.replace(path + ".tmp", path)
 
 
 async def main(folder: str) -> None:
