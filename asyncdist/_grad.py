@@ -1219,9 +1219,10 @@ def detach(syncs: weakref.WeakSet[GradientSync], *, rank: int, warn: bool) -> No
     """Take every sync's hooks off its module (its session ends: backward
     afterwards is plain local autograd). ``warn``: the session ends
     normally, so a sync mid-step is worth a warning (else the exception is
-    the news)."""
+    the news). A step whose wait began and did not end (it raised, or was
+    cancelled) is not: the caller saw that."""
     for sync in list(syncs):
-        if sync.pending and warn:
+        if sync.pending and warn and not sync._finishing:
             logger.warning(
                 "rank %d: %r ends with the session mid-step: its last backward was "
                 "never followed by `await sync` / `sync.wait()`, so those gradients were "

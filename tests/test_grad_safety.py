@@ -674,6 +674,28 @@ def test_a_session_that_ends_mid_step_names_the_sync(caplog: pytest.LogCaptureFi
     assert "GradientSync of BNNet" in caplog.text
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_step_whose_wait_was_cancelled_is_not_called_forgotten(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning is for a backward never followed by ``await sync``; a
+    wait that began and did not end (cancelled here, or raised) is not that,
+    and its caller saw it. On trio every await checkpoints, so the cancelled
+    scope cancels the wait on its first handle."""
+    model = BNNet()
+    async with DistSession() as s:
+        sync = s.gradient_sync(model)
+        _loss(model, 0, 0).backward()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await sync
+        assert scope.cancelled_caught
+        assert sync.pending  # the step did not finish
+    assert "mid-step" not in caplog.text
+    assert repr(sync) == "<GradientSync of BNNet removed>"
+
+
 # -- awaiting a finished step again, and a removed sync ---------------------------------
 
 
