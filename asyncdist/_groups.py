@@ -188,6 +188,11 @@ _held: dict[int, str] = {}
 _tickets = itertools.count()
 
 
+class StoreSilent(TimeoutError):
+    """Raised by ``rendezvous`` when the store did not answer within its
+    bound: the store's host, not a peer, is the one to look at."""
+
+
 def rendezvous(
     call: Callable[[], T],
     what: str,
@@ -210,7 +215,7 @@ def rendezvous(
     it) and the process may form groups again.
 
     Raises:
-        TimeoutError: no answer within the bound.
+        StoreSilent: no answer within the bound.
         BaseException: what ``call()`` raised.
     """
     limit = timeout + RENDEZVOUS_GRACE
@@ -249,7 +254,7 @@ def rendezvous(
                 _held[ticket] = what
                 gave_up.append(ticket)
     if gave_up:
-        raise TimeoutError(
+        raise StoreSilent(
             f"{what}: the rendezvous store did not answer within {limit:g} s; its host is "
             "stopped or frozen, or cut off from this process"
         )
@@ -392,7 +397,7 @@ def form_generation(
 
     Raises:
         RuntimeError: a member did not join in time.
-        TimeoutError: the store did not answer (``rendezvous``).
+        StoreSilent: the store did not answer (``rendezvous``).
         InitError: a forming given up on still runs in this process.
     """
     refuse_while_held()
@@ -571,7 +576,7 @@ class SideGroup:
 
         Raises:
             RuntimeError: a member did not join in time.
-            TimeoutError: the store did not answer (``rendezvous``).
+            StoreSilent: the store did not answer (``rendezvous``).
             InitError: a forming given up on still runs in this process.
         """
         gloo = dist.ProcessGroupGloo
@@ -662,7 +667,7 @@ def form_blocks(
 
     Raises:
         RuntimeError: a peer did not join in time.
-        TimeoutError: the store did not answer (``rendezvous``).
+        StoreSilent: the store did not answer (``rendezvous``).
         InitError: a forming given up on still runs in this process.
     """
     own: Any = None
@@ -691,7 +696,7 @@ def form_channel(ranks: Sequence[int], *, timeout: float, loopback: bool) -> Any
 
     Raises:
         RuntimeError: a peer did not join in time.
-        TimeoutError: the store did not answer (``rendezvous``).
+        StoreSilent: the store did not answer (``rendezvous``).
         InitError: a forming given up on still runs in this process.
     """
     refuse_while_held()

@@ -47,7 +47,14 @@ from ._progress import Completer, Recorder, Tree
 from ._store import LeaveNotices
 from ._wakeup import IssuerKey, current_issuer, in_async_context, one_after_another, who_issues
 from ._wire import Route, Spec, device_type
-from .errors import CollectiveMismatch, CollectiveTimeout, Leaving, SessionBroken, SessionClosed
+from .errors import (
+    AsyncDistError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    Leaving,
+    SessionBroken,
+    SessionClosed,
+)
 
 logger = logging.getLogger("asyncdist")
 
@@ -179,7 +186,7 @@ class Lane:
 
         Raises:
             RuntimeError: a peer did not join in time.
-            TimeoutError: the store did not answer (``_groups.rendezvous``).
+            StoreSilent: the store did not answer (``_groups.rendezvous``).
             InitError: a rendezvous given up on still runs in this process.
         """
         for side in self._side.values():
@@ -205,7 +212,7 @@ class Lane:
                 loopback=self.loopback and self.uses_gloo,
             )
         except (RuntimeError, TimeoutError) as exc:  # (a silent store: ``rendezvous``)
-            raise self.health.fail(exc, op="split") from exc
+            raise self._forming_failed(exc, op="split") from exc
         first = ranks[mine * group_size]
         label = f"the sub-session of ranks {first}..{first + group_size - 1}"
         notices = None
@@ -232,7 +239,7 @@ class Lane:
                 loopback=self.loopback and self.uses_gloo,
             )
         except (RuntimeError, TimeoutError) as exc:  # (a silent store: ``rendezvous``)
-            raise self.health.fail(exc, op="channel") from exc
+            raise self._forming_failed(exc, op="channel") from exc
         label = f"channel {name!r}"
         notices = None
         if self._notices is not None:
@@ -263,8 +270,22 @@ class Lane:
             child.form_side_groups()
         except (RuntimeError, TimeoutError) as exc:
             child.close()
-            raise self.health.fail(exc, op=op) from exc
+            raise self._forming_failed(exc, op=op) from exc
         return child
+
+    def _forming_failed(self, exc: BaseException, *, op: str) -> AsyncDistError:
+        """The error that breaks the session when a group of ``op`` did not
+        form: a silent store is named as such (a peer that never joined is
+        the usual timeout's "alive but silent")."""
+        if isinstance(exc, _groups.StoreSilent):
+            exc = CollectiveTimeout(
+                f"{op} on rank {self.rank} did not complete: {exc}. Check that the host of "
+                "the session's store (MASTER_ADDR:MASTER_PORT under a launcher) is running "
+                "and reachable",
+                op=op,
+                rank=self.rank,
+            )
+        return self.health.fail(exc, op=op)
 
     # -- routing -------------------------------------------------------------------
 

@@ -315,9 +315,10 @@ def test_a_channel_over_a_frozen_store_is_a_collective_timeout(
             with pytest.raises(CollectiveTimeout) as told:
                 s.channel("frozen")
             assert 1.5 <= time.monotonic() - started < 1.5 + 2.0
-            assert "a channel's forming: the rendezvous store did not answer within 1.5 s" in (
-                str(told.value.__cause__)
-            )
+            said = "a channel's forming: the rendezvous store did not answer within 1.5 s"
+            assert said in str(told.value.__cause__)
+            assert f"channel on rank 0 did not complete: {said}" in str(told.value)
+            assert "alive but silent" not in str(told.value)  # the store is, not a peer
             host.kill()  # (the session's exit then finds its store closed)
         until_no_forming_is_held()
         forget_address("127.0.0.1", host.port)  # the store this process kept for it
