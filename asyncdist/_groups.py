@@ -216,33 +216,39 @@ def rendezvous(
 
     Raises:
         StoreSilent: no answer within the bound.
+        InitError: a rendezvous given up on still runs (``refuse_while_held``).
         BaseException: what ``call()`` raised.
     """
+    # (again here: a caller that checked before waiting for the gloo lock may
+    # have waited behind a forming that was given up on meanwhile)
+    refuse_while_held()
     limit = timeout + RENDEZVOUS_GRACE
     lock, done = threading.Lock(), threading.Event()
     outcome: list[tuple[bool, Any]] = []
     gave_up: list[int] = []  # the caller's ticket in ``_held``, once it stopped waiting
 
     def run() -> None:
+        made = _attempt(call)
         try:
-            made: tuple[bool, Any] = (True, call())
-        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
-            made = (False, exc)
-        with lock:
-            if not gave_up:
-                outcome.append(made)
-                done.set()
-                return
-        if not made[0]:  # nobody raises it: let go of torch's frames (the store, its port)
-            traceback.clear_frames(made[1].__traceback__)
-        try:
-            if made[0] and late is not None:
-                late(made[1])
-        except Exception as exc:  # noqa: BLE001 - nobody is waiting for it any more
-            logger.debug("%s, formed after its caller gave up: %s", what, exc)
+            with lock:
+                if not gave_up:
+                    outcome.append(made)
+                    done.set()
+                    return
+            if not made[0]:  # nobody raises it: let go of torch's frames (the store, its port)
+                traceback.clear_frames(made[1].__traceback__)
+            try:
+                if made[0] and late is not None:
+                    late(made[1])
+            except Exception as exc:  # noqa: BLE001 - nobody is waiting for it any more
+                logger.debug("%s, formed after its caller gave up: %s", what, exc)
+            finally:
+                _held.pop(gave_up[0], None)
+                logger.info("asyncdist: %s ended, after its caller gave up on it", what)
         finally:
-            _held.pop(gave_up[0], None)
-            logger.info("asyncdist: %s ended, after its caller gave up on it", what)
+            # an error's traceback holds this frame (through ``_attempt``'s):
+            # the frame must not hold the error, or the two wait for the cyclic GC
+            del made
 
     threading.Thread(target=run, name="asyncdist-rendezvous", daemon=True).start()
     try:
@@ -258,10 +264,24 @@ def rendezvous(
             f"{what}: the rendezvous store did not answer within {limit:g} s; its host is "
             "stopped or frozen, or cut off from this process"
         )
-    answered, value = outcome[0]
+    answered, value = outcome.pop()
     if not answered:
-        raise value
+        try:
+            raise value
+        finally:
+            value = None  # (as concurrent.futures does: no cycle through this frame)
     return value  # type: ignore[no-any-return]
+
+
+def _attempt(call: Callable[[], T]) -> tuple[bool, Any]:
+    """``(True, call())``, or ``(False, what it raised)``. Caught here, not in
+    ``rendezvous``'s thread: the error's traceback then holds no frame that
+    holds the error, so nothing of the forming (its store, gloo's listening
+    socket) waits for the cyclic GC once the error is dropped."""
+    try:
+        return (True, call())
+    except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+        return (False, exc)
 
 
 def refuse_while_held() -> None:
@@ -474,8 +494,12 @@ def enter_world(wanted: Wanted) -> World:
 
     Raises:
         InitError: the group did not form, or the one there disagrees with
-            what was asked for.
+            what was asked for, or a forming given up on still runs in this
+            process.
     """
+    # before adopting, too: a default group there may be one that a forming
+    # given up on registered late, about to be destroyed
+    refuse_while_held()
     if dist.is_initialized():
         rank, world, backends = adopt_world(wanted.rank, wanted.world_size)
         local_rank = launcher_local_rank()

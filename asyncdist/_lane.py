@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -220,7 +221,10 @@ class Lane:
             members = ranks[mine * group_size : (mine + 1) * group_size]
             notices = self._notices.child(f"split{self._splits}", members, label)
         self._splits += 1
-        return self._child(own, self.rank % group_size, group_size, "split", label, notices)
+        try:
+            return self._child(own, self.rank % group_size, group_size, "split", label, notices)
+        finally:
+            del own  # (see ``_child``)
 
     def channel(self, name: str) -> Lane:
         """A lane over the same ranks with groups of its own (its collectives
@@ -244,7 +248,10 @@ class Lane:
         notices = None
         if self._notices is not None:
             notices = self._notices.child(f"channel:{name}", self.global_ranks, label)
-        return self._child(group, self.rank, self.world_size, "channel", label, notices)
+        try:
+            return self._child(group, self.rank, self.world_size, "channel", label, notices)
+        finally:
+            del group  # (see ``_child``)
 
     def _child(
         self,
@@ -270,6 +277,10 @@ class Lane:
             child.form_side_groups()
         except (RuntimeError, TimeoutError) as exc:
             child.close()
+            # the error's traceback holds this frame and the caller's, and the
+            # session it breaks keeps the error: they must not keep the
+            # destroyed group, whose gloo threads and sockets live as long as it
+            del group, child
             raise self._forming_failed(exc, op=op) from exc
         return child
 
@@ -277,6 +288,10 @@ class Lane:
         """The error that breaks the session when a group of ``op`` did not
         form: a silent store is named as such (a peer that never joined is
         the usual timeout's "alive but silent")."""
+        # its frames (finished: the forming's) hold what the forming made, a
+        # gloo device's listening socket among them, which the error, kept by
+        # the session it breaks, would keep until the cyclic GC
+        traceback.clear_frames(exc.__traceback__)
         if isinstance(exc, _groups.StoreSilent):
             exc = CollectiveTimeout(
                 f"{op} on rank {self.rank} did not complete: {exc}. Check that the host of "

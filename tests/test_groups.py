@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -88,6 +90,15 @@ def test_sub_sessions_are_released_with_their_parent() -> None:
     assert spawn(_released_with_parent, 2, timeout=20) == [(True, True)] * 2
 
 
+def _listening() -> set[tuple[str, int]]:
+    """This process's listening sockets (gloo's, a store's)."""
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
 # -- a rendezvous given up on ------------------------------------------------------------
 
 
@@ -123,6 +134,71 @@ def test_a_rendezvous_given_up_on_refuses_every_forming_until_it_ends(
     assert dropped == ["a group formed late"]
     with DistSession(rank=0, world_size=1, timeout=5) as s:  # forming works again
         assert s.allreduce(torch.ones(1)).wait().item() == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_a_forming_that_waited_behind_one_given_up_on_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The formings' pattern: check, take the gloo lock, form. A second thread
+    that checked while the first still waited (nothing was held yet) then
+    waits for the lock, which the first lets go of as it gives up: it is
+    refused at its rendezvous, not formed beside the held one."""
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.2)
+    release, checked, outcome = threading.Event(), threading.Event(), []
+
+    def held() -> str:
+        checked.wait(10)
+        release.wait(10)
+        return "late"
+
+    def second() -> None:
+        _groups.refuse_while_held()  # passes: the first is not given up on yet
+        checked.set()
+        with _groups.gloo_on_loopback(False):  # waits for the first to give up
+            try:
+                outcome.append(_groups.rendezvous(lambda: "formed", "the second", 1.0))
+            except InitError as exc:
+                outcome.append(exc)
+
+    other = threading.Thread(target=second)
+    try:
+        with _groups.gloo_on_loopback(False), pytest.raises(_groups.StoreSilent):
+            other.start()
+            _groups.rendezvous(held, "the first", 0.3, late=lambda _: None)
+        other.join(10)
+        assert len(outcome) == 1, outcome
+        assert isinstance(outcome[0], InitError), outcome
+        assert "gave up on the first" in str(outcome[0])
+    finally:
+        release.set()
+        other.join(10)
+        until_no_forming_is_held()
+
+
+@pytest.mark.timeout(30)
+def test_a_session_is_refused_before_it_adopts_a_group_while_a_forming_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A default group that exists while a forming is held may be the one
+    that forming registered late, about to be destroyed: it is not adopted."""
+    monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.2)
+    release = threading.Event()
+    adopted: list[Any] = []
+    adopt_world = _groups.adopt_world
+    monkeypatch.setattr(_groups, "adopt_world", lambda *a: adopted.append(a) or adopt_world(*a))
+    with pytest.raises(_groups.StoreSilent):
+        _groups.rendezvous(lambda: release.wait(10), "the held one", 0.3)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(InitError, match="gave up on the held one"):
+            DistSession().__enter__()
+        assert adopted == []
+    finally:
+        dist.destroy_process_group()
+        release.set()
+        until_no_forming_is_held()
 
 
 @pytest.mark.timeout(30)
@@ -192,19 +268,27 @@ def test_a_split_over_a_frozen_store_is_a_collective_timeout(
     from asyncdist._store import forget_address
 
     monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
-    with store_host() as host:
-        if what == "side group":  # the blocks form, then the host freezes
-            form_blocks = _groups.form_blocks
+    listening = _listening()
+    gc.disable()  # what the session left must go with it, not with a collection
+    try:
+        with store_host() as host:
+            if what == "side group":  # the blocks form, then the host freezes
+                form_blocks = _groups.form_blocks
 
-            def then_freeze(*args: Any, **kwargs: Any) -> Any:
-                group = form_blocks(*args, **kwargs)
-                host.stop()
-                return group
+                def then_freeze(*args: Any, **kwargs: Any) -> Any:
+                    group = form_blocks(*args, **kwargs)
+                    host.stop()
+                    return group
 
-            monkeypatch.setattr(_groups, "form_blocks", then_freeze)
-        elapsed, error = _frozen_split(host, monkeypatch, what)
-        until_no_forming_is_held()
-        forget_address("127.0.0.1", host.port)  # the store this process kept for it
+                monkeypatch.setattr(_groups, "form_blocks", then_freeze)
+            elapsed, error = _frozen_split(host, monkeypatch, what)
+            until_no_forming_is_held()
+            forget_address("127.0.0.1", host.port)  # the store this process kept for it
+        # the error is kept (as a user's handler may): its traceback must not
+        # keep the destroyed groups' gloo sockets listening
+        assert _listening() <= listening
+    finally:
+        gc.enable()
     assert 1.5 <= elapsed < 1.5 + 2.0
     forming = {
         "blocks": "the forming of the group of block 0 of 1 ranks",

@@ -34,9 +34,11 @@ from asyncdist._session import State
 pytestmark = pytest.mark.timeout(60)
 
 
-def _listening_addresses() -> set[str]:
+def _listening_addresses() -> set[tuple[str, int]]:
+    """(ip, port) of this process's listening sockets: by address alone, one
+    left by an earlier test on loopback would hide the session's own."""
     return {
-        c.laddr.ip
+        (c.laddr.ip, c.laddr.port)
         for c in psutil.Process().net_connections(kind="inet")
         if c.status == psutil.CONN_LISTEN
     }
@@ -62,7 +64,7 @@ def test_local_default_listens_on_loopback_only() -> None:
     with DistSession():
         during = _listening_addresses() - before
         assert during, "the local default should host its store"
-        assert all(ipaddress.ip_address(ip).is_loopback for ip in during), during
+        assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in during), during
     assert _listening_addresses() <= before, "the store's socket was not released"
 
 
