@@ -918,13 +918,16 @@ class GradientSync:
         callers share it). Progress lives on ``self``, so a cancelled await
         resumes where it stopped."""
         if self._order is None:
-            if self._phase is not _Phase.LAUNCHED:
-                self._check_held()  # backward does not reach replaced parameters' hooks
-                if self._phase is _Phase.IDLE and self._untouched():
-                    return  # this step is finished already: awaiting it again changes nothing
-                self._begin(by_task=True)  # no synced backward this step: reduce what there is
-            self._launch_ready(everything=True)
-            self._finishing = True
+            try:
+                if self._phase is not _Phase.LAUNCHED:
+                    self._check_held()  # backward does not reach replaced parameters' hooks
+                    if self._phase is _Phase.IDLE and self._untouched():
+                        return  # this step is finished already: awaiting it again changes nothing
+                    self._begin(by_task=True)  # no synced backward: reduce what there is
+                self._launch_ready(everything=True)
+            finally:
+                # the wait began, even where a launch raised (its caller was told)
+                self._finishing = self._phase is _Phase.LAUNCHED
             if self._buffers is not None:
                 yield self._buffers  # launched first, so it lands first
                 self._buffers = None

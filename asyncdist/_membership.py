@@ -943,6 +943,8 @@ class Membership:
                 f"not form: the elastic coordinator at {host}:{port} did not answer its rendezvous "
                 f"({exc})"
             ) from exc
+        except InitError:
+            raise  # refused: a forming given up on still runs (``refuse_while_held``)
         except (RuntimeError, OSError, ValueError) as exc:
             raise InitError(
                 f"rank {rank} of {world_size}: world {generation} of the elastic session did "

@@ -696,6 +696,34 @@ async def test_a_step_whose_wait_was_cancelled_is_not_called_forgotten(
     assert repr(sync) == "<GradientSync of BNNet removed>"
 
 
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.unused = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_step_whose_wait_raised_at_a_launch_is_not_called_forgotten(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The wait itself launches the buckets backward left (here the unused
+    parameter's); on a broken session that launch raises. The wait began and
+    told its caller: no "never followed by `await sync`" at the end."""
+    from asyncdist import CollectiveTimeout, SessionBroken
+
+    model = _WithUnused()
+    with DistSession() as s:
+        sync = s.gradient_sync(model, bucket_mb=1e-5, first_bucket_mb=1e-5)
+        model(torch.ones(2, 4)).sum().backward()
+        s._lane.health.record_fault(CollectiveTimeout("a test's fault", op="test", rank=0))
+        with pytest.raises(SessionBroken):
+            sync.wait()
+        assert sync.pending
+    assert "mid-step" not in caplog.text
+
+
 # -- awaiting a finished step again, and a removed sync ---------------------------------
 
 

@@ -147,14 +147,11 @@ def test_a_forming_that_waited_behind_one_given_up_on_is_refused(
     monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.2)
     release, checked, outcome = threading.Event(), threading.Event(), []
 
-    def held() -> str:
-        checked.wait(10)
-        release.wait(10)
-        return "late"
-
     def second() -> None:
-        _groups.refuse_while_held()  # passes: the first is not given up on yet
-        checked.set()
+        try:
+            _groups.refuse_while_held()  # passes: nothing is held yet
+        finally:
+            checked.set()
         with _groups.gloo_on_loopback(False):  # waits for the first to give up
             try:
                 outcome.append(_groups.rendezvous(lambda: "formed", "the second", 1.0))
@@ -163,9 +160,11 @@ def test_a_forming_that_waited_behind_one_given_up_on_is_refused(
 
     other = threading.Thread(target=second)
     try:
-        with _groups.gloo_on_loopback(False), pytest.raises(_groups.StoreSilent):
+        with _groups.gloo_on_loopback(False):
             other.start()
-            _groups.rendezvous(held, "the first", 0.3, late=lambda _: None)
+            assert checked.wait(10)
+            with pytest.raises(_groups.StoreSilent):
+                _groups.rendezvous(lambda: release.wait(10), "the first", 0.3)
         other.join(10)
         assert len(outcome) == 1, outcome
         assert isinstance(outcome[0], InitError), outcome
@@ -285,7 +284,11 @@ def test_a_split_over_a_frozen_store_is_a_collective_timeout(
             until_no_forming_is_held()
             forget_address("127.0.0.1", host.port)  # the store this process kept for it
         # the error is kept (as a user's handler may): its traceback must not
-        # keep the destroyed groups' gloo sockets listening
+        # keep the destroyed groups' gloo sockets listening (the held
+        # forming's thread, ended, lets go of its forming a moment later)
+        deadline = time.monotonic() + 5
+        while not _listening() <= listening and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _listening() <= listening
     finally:
         gc.enable()
