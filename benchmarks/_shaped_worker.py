@@ -366,6 +366,14 @@ def _ddp_config(
             times.append(time.perf_counter() - t0)
         comm[name] = statistics.median(times)
         least[name] = min(times)
+    # the least any step waits after its last gradient: one element's round trip
+    tiny, times = torch.zeros(1), []
+    for _ in range(9):
+        s.barrier().wait()
+        t0 = time.perf_counter()
+        s.allreduce(tiny, op="sum").wait()
+        times.append(time.perf_counter() - t0)
+    comm["one_element"], least["one_element"] = statistics.median(times), min(times)
     # the same float32 allreduce while this rank's main thread runs the
     # optimizer, as step overlap does: on a machine whose cores the ranks'
     # compute and their gloo threads share, communication slows down
@@ -395,10 +403,15 @@ def _ddp_config(
             "communication": comm["bfloat16" if arm.endswith(("bf16", "both")) else "float32"],
         }
     # no exact arm's step can be shorter: the first gradient needs the forward,
-    # the last average every gradient's allreduce, and the update the averages.
+    # the last average every gradient's allreduce, and the update the averages;
+    # nor (where compute bounds the step) than forward and backward and then
+    # the round trip of the last gradient's allreduce, at least one element's.
     # Each part is its least sample: a bound must not rise with the noise (the
     # median of 5 compute samples once came out above DDP's whole step)
-    floor = max(min(compute), min(forward) + least["float32"]) + breakdown["sync"]["optimizer"]
+    floor = (
+        max(min(compute) + least["one_element"], min(forward) + least["float32"])
+        + breakdown["sync"]["optimizer"]
+    )
     steps = {arm: [x["step"] for x in samples[arm]] for arm in arms}
 
     def paired(arm: str, base: str) -> float:

@@ -17,7 +17,9 @@ configuration (the wide MLP, batch 16, Adam) also runs the seed helper's way
 Goals (issue 25), each over every configuration, ratios the worse of the two
 ranks: plain gradient_sync <= 0.97x DDP where the floor allows it (the floor:
 the forward, every gradient's allreduce as measured alone, then the
-optimizer, each the least of its samples: no exact arm's step is shorter);
+optimizer, or, where compute is longer, forward and backward, one element's
+allreduce (the last gradient's round trip), then the optimizer; each the
+least of its samples: no exact arm's step is shorter);
 its backward phase <= 1.15x DDP's (the "cpu" column beside it: the main
 thread's CPU time in that phase, over DDP's; the rest is waiting for a
 core); bf16 <= 1.00x DDP + bf16 hook; step overlap hides >= 80 % of the optimizer's time where
