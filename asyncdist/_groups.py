@@ -697,16 +697,22 @@ def form_blocks(
     own: Any = None
     refuse_while_held()
     with gloo_on_loopback(loopback):
-        for block in range(len(ranks) // group_size):
-            form = functools.partial(
-                dist.new_group,
-                list(ranks[block * group_size : (block + 1) * group_size]),
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-            what = f"the forming of the group of block {block} of {group_size} ranks"
-            group = rendezvous(form, what, timeout, late=_drop_late_group)
-            if block == mine:
-                own = group
+        try:
+            for block in range(len(ranks) // group_size):
+                form = functools.partial(
+                    dist.new_group,
+                    list(ranks[block * group_size : (block + 1) * group_size]),
+                    timeout=datetime.timedelta(seconds=timeout),
+                )
+                what = f"the forming of the group of block {block} of {group_size} ranks"
+                group = rendezvous(form, what, timeout, late=_drop_late_group)
+                if block == mine:
+                    own = group
+        except BaseException:
+            if own is not None:  # a later block failed: this rank's own is nobody's
+                with contextlib.suppress(RuntimeError, ValueError):
+                    _drop_late_group(own)
+            raise
     return own
 
 

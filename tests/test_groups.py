@@ -90,6 +90,43 @@ def test_sub_sessions_are_released_with_their_parent() -> None:
     assert spawn(_released_with_parent, 2, timeout=20) == [(True, True)] * 2
 
 
+def _a_later_block_fails(s: DistSession) -> tuple[int, int, str]:
+    """Split into blocks of one; forming the second block's group fails on
+    every rank (injected). The torch groups registered before and after."""
+    from torch.distributed import distributed_c10d
+
+    from asyncdist import CollectiveError
+
+    real, calls = dist.new_group, []
+
+    def failing_second(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("injected: the second block's group did not form")
+        return real(*args, **kwargs)
+
+    before = len(distributed_c10d._world.pg_map)
+    dist.new_group = failing_second
+    try:
+        try:
+            s.split(1)
+        except CollectiveError as exc:
+            told = type(exc).__name__
+        else:
+            told = "nothing"
+    finally:
+        dist.new_group = real
+    return before, len(distributed_c10d._world.pg_map), told
+
+
+def test_a_split_whose_later_block_fails_leaves_no_group_registered() -> None:
+    """Rank 0's own block formed first; the second block's failure must not
+    leave it registered (in an adopted world it would outlive the session)."""
+    for before, after, told in spawn(_a_later_block_fails, 2, timeout=30):
+        assert told == "CollectiveError"
+        assert after == before
+
+
 def _listening() -> set[tuple[str, int]]:
     """This process's listening sockets (gloo's, a store's)."""
     return {
