@@ -4,10 +4,10 @@ import os
 import socket
 import threading
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from _ports import listening
 
 from asyncdist._env import (
     bind_loopback,
@@ -249,27 +249,19 @@ def test_gloo_group_made_under_gloo_on_loopback_listens_on_loopback(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(IFNAME, raising=False)
-    before = _listening()
+    before = listening()
     try:
         with gloo_on_loopback(True):
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         assert IFNAME not in os.environ
         t = torch.ones(2)
         dist.all_reduce(t)
-        gloo = _listening() - before  # a HashStore listens nowhere: these are gloo's
+        gloo = listening() - before  # a HashStore listens nowhere: these are gloo's
         assert gloo, "gloo's device listens"
         assert all(is_loopback(ip) for ip, _ in gloo), gloo
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _listening() -> set[tuple[str, int]]:
-    return {
-        (c.laddr.ip, c.laddr.port)
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN
-    }
 
 
 def test_nccl_without_any_gpu_says_so_plainly(monkeypatch: pytest.MonkeyPatch) -> None:

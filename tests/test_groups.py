@@ -7,10 +7,10 @@ import threading
 import time
 from typing import Any
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from _ports import listening
 from _store_host import until_no_forming_is_held
 
 from asyncdist import DistSession, InitError, SessionClosed, _groups, spawn
@@ -125,15 +125,6 @@ def test_a_split_whose_later_block_fails_leaves_no_group_registered() -> None:
     for before, after, told in spawn(_a_later_block_fails, 2, timeout=30):
         assert told == "CollectiveError"
         assert after == before
-
-
-def _listening() -> set[tuple[str, int]]:
-    """This process's listening sockets (gloo's, a store's)."""
-    return {
-        (c.laddr.ip, c.laddr.port)
-        for c in psutil.Process().net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
-    }
 
 
 # -- a rendezvous given up on ------------------------------------------------------------
@@ -304,7 +295,7 @@ def test_a_split_over_a_frozen_store_is_a_collective_timeout(
     from asyncdist._store import forget_address
 
     monkeypatch.setattr(_groups, "RENDEZVOUS_GRACE", 0.5)
-    listening = _listening()
+    before = listening()
     gc.disable()  # what the session left must go with it, not with a collection
     try:
         with store_host() as host:
@@ -324,9 +315,9 @@ def test_a_split_over_a_frozen_store_is_a_collective_timeout(
         # keep the destroyed groups' gloo sockets listening (the held
         # forming's thread, ended, lets go of its forming a moment later)
         deadline = time.monotonic() + 5
-        while not _listening() <= listening and time.monotonic() < deadline:
+        while not listening() <= before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _listening() <= listening
+        assert listening() <= before
     finally:
         gc.enable()
     assert 1.5 <= elapsed < 1.5 + 2.0

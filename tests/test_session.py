@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from _ports import free_port
+from _ports import free_port, listening
 
 from asyncdist import (
     CollectiveTimeout,
@@ -32,16 +31,6 @@ from asyncdist import (
 from asyncdist._session import State
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _listening_addresses() -> set[tuple[str, int]]:
-    """(ip, port) of this process's listening sockets: by address alone, one
-    left by an earlier test on loopback would hide the session's own."""
-    return {
-        (c.laddr.ip, c.laddr.port)
-        for c in psutil.Process().net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
-    }
 
 
 def test_local_default_properties_and_release() -> None:
@@ -60,12 +49,12 @@ def test_local_default_properties_and_release() -> None:
 
 
 def test_local_default_listens_on_loopback_only() -> None:
-    before = _listening_addresses()
+    before = listening()
     with DistSession():
-        during = _listening_addresses() - before
+        during = listening() - before
         assert during, "the local default should host its store"
         assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in during), during
-    assert _listening_addresses() <= before, "the store's socket was not released"
+    assert listening() <= before, "the store's socket was not released"
 
 
 def test_sessions_one_after_another() -> None:
